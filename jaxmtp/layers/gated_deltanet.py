@@ -1,0 +1,122 @@
+"""Gated DeltaNet mixer with a conv-window carry and a float32 recurrent-state carry.
+
+Weights (native layout, ``x @ W``): ``in_proj_qkv [H, C]`` with C = [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)],
+``in_proj_z [H, Hv*dv]``, ``in_proj_b``/``in_proj_a [H, Hv]``, ``conv1d [K, C]`` (depthwise, no bias),
+``A_log``/``dt_bias [Hv]`` (float32), ``norm [dv]`` (plain-weight gated RMSNorm), ``out_proj [Hv*dv, H]``.
+
+Rollback for speculative decoding: :func:`gated_deltanet` can return a :class:`GDNSteps` (the raw conv inputs of
+the window and the state after every token); :func:`select_step` turns it into the carry after any accepted prefix.
+The same selection gives the carry at the last real token of a right-padded prefill row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxmtp.config import Qwen35Config
+from jaxmtp.layers.norms import gated_rms_norm
+from jaxmtp.pallas.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+@struct.dataclass
+class GDNCarry:
+    """``conv [B, K-1, C]``: the last K-1 raw (pre-conv) projections; ``state [B, Hv, dk, dv]`` float32."""
+
+    conv: jax.Array
+    state: jax.Array
+
+    @staticmethod
+    def zeros(cfg: Qwen35Config, batch: int, dtype) -> "GDNCarry":
+        return GDNCarry(
+            jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+            jnp.zeros(
+                (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
+            ),
+        )
+
+
+@struct.dataclass
+class GDNSteps:
+    """Per-token history of one window of T tokens: ``conv_inputs [B, K-1+T, C]`` (old window then the new raw
+    projections) and ``states [B, T, Hv, dk, dv]`` (state after each token)."""
+
+    conv_inputs: jax.Array
+    states: jax.Array
+
+
+def select_step(steps: GDNSteps, n_tokens: jax.Array) -> GDNCarry:
+    """Carry after the first ``n_tokens[b]`` (1..T) tokens of each row's window."""
+    km1 = steps.conv_inputs.shape[1] - steps.states.shape[1]
+    conv = _conv_window(steps.conv_inputs, n_tokens, km1)
+    state = jnp.take_along_axis(steps.states, (n_tokens - 1)[:, None, None, None, None], axis=1)[:, 0]
+    return GDNCarry(conv, state)
+
+
+def _conv_window(conv_inputs: jax.Array, n_tokens: jax.Array, km1: int) -> jax.Array:
+    """Rows [n, n + K-1) of each batch row: the last K-1 raw inputs once n new tokens were consumed."""
+    return jax.vmap(lambda xs, n: jax.lax.dynamic_slice_in_dim(xs, n, km1, axis=0))(conv_inputs, n_tokens)
+
+
+def causal_conv(conv_inputs: jax.Array, weight: jax.Array) -> jax.Array:
+    """Depthwise causal conv + SiLU. conv_inputs: [B, K-1+T, C]; weight: [K, C] -> [B, T, C] (float32 math)."""
+    k = weight.shape[0]
+    t = conv_inputs.shape[1] - (k - 1)
+    xs = conv_inputs.astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    acc = sum(xs[:, j : j + t] * w[j] for j in range(k))
+    return jax.nn.silu(acc)
+
+
+def gated_deltanet(
+    p,
+    cfg: Qwen35Config,
+    x: jax.Array,
+    valid: jax.Array,
+    carry: GDNCarry,
+    *,
+    form: str = "chunk",
+    step_states: bool = False,
+    implementation: str = "xla",
+):
+    """One GDN mixer over a window.
+
+    x: [B, T, H]; valid: [B, T] bool, a prefix of each row (right padding). ``form`` is ``"chunk"`` or
+    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
+    Returns (y [B, T, H], GDNCarry | GDNSteps).
+    """
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = x @ p["in_proj_qkv"]  # [B, T, C], raw conv inputs
+    z = (x @ p["in_proj_z"]).reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
+    a = (x @ p["in_proj_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    # Padding tokens must leave the state untouched: no decay (g = 0) and no write (beta = 0).
+    g = jnp.where(valid[..., None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+
+    conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
+    c = causal_conv(conv_inputs, p["conv1d"]).astype(x.dtype)
+    q = c[..., : hk * dk].reshape(b, t, hk, dk)
+    k = c[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
+    v = c[..., 2 * hk * dk :].reshape(b, t, hv, dv)
+
+    common = dict(initial_state=carry.state, use_qk_l2norm_in_kernel=True, implementation=implementation)
+    if step_states:
+        o, states = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_step_states=True, **common)
+    elif form == "recurrent":
+        o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **common)
+    elif form == "chunk":
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, **common)
+    else:
+        raise ValueError(f"unknown GDN form {form!r}")
+
+    y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
+    y = y @ p["out_proj"]
+    if step_states:
+        return y, GDNSteps(conv_inputs, states)
+    n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
+    return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)

@@ -1,0 +1,182 @@
+"""``jaxmtp.load`` and the :class:`Model` handle that the engine, ``generate`` and the server build on."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp import checkpoint
+from jaxmtp.config import ConfigError, Qwen35Config
+from jaxmtp.model import forward, init_carry, init_mtp_carry, mtp_forward
+from jaxmtp.pallas import Backend, resolve_backend
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: ``config``, ``params`` (device arrays), ``tokenizer`` (``tokenizers.Tokenizer`` or None).
+
+    ``generation_config`` is the parsed ``generation_config.json`` (empty if absent); ``chat_template`` the
+    checkpoint's Jinja chat template (or None).
+    """
+
+    config: Qwen35Config
+    params: Any
+    tokenizer: Any = None
+    path: str | None = None
+    dtype: Any = jnp.bfloat16
+    backend: Backend = dataclasses.field(default_factory=lambda: resolve_backend("auto"))
+    generation_config: dict = dataclasses.field(default_factory=dict)
+    chat_template: str | None = None
+
+    # ---- ids helpers --------------------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json and generation_config.json."""
+        ids = list(self.config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        for e in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
+            if int(e) not in ids:
+                ids.append(int(e))
+        return tuple(ids)
+
+    def check_token_ids(self, ids) -> np.ndarray:
+        """Validate token ids (integers in [0, vocab_size)) and return them as int32."""
+        arr = np.asarray(ids)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError("token ids must be integers")
+        arr = arr.astype(np.int64)
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        return arr.astype(np.int32)
+
+    # ---- full forwards (testing / scoring) ------------------------------------------------------------------------
+    @functools.cached_property
+    def _logits_fn(self):
+        fwd = functools.partial(forward, cfg=self.config, backend=self.backend)
+
+        @jax.jit
+        def run(params, tokens):
+            b, t = tokens.shape
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            carry = init_carry(self.config, b, t, self.dtype)
+            logits, hidden, _ = fwd(params, tokens, positions, carry)
+            return logits, hidden
+
+        return run
+
+    @functools.cached_property
+    def _draft_fn(self):
+        cfg = self.config
+
+        @jax.jit
+        def run(params, tokens, hidden):
+            b, t = tokens.shape
+            positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+            carry = init_mtp_carry(cfg, b, t - 1, self.dtype)
+            logits, _, _ = mtp_forward(params, tokens[:, 1:], hidden[:, :-1], positions, carry, cfg=cfg,
+                                       backend=self.backend)
+            return logits
+
+        return run
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Float32 logits ``[B, T, V]`` of a full forward from an empty carry over ``token_ids [B, T]``."""
+        tokens = self._as_batch(token_ids)
+        logits, _ = self._logits_fn(self.params, tokens)
+        return np.asarray(logits, np.float32)
+
+    def draft_logits(self, token_ids) -> np.ndarray:
+        """Teacher-forced MTP logits ``[B, T-1, V]``: row p predicts token p+2 from the target's final-normed hidden
+        at p and the embedding of token p+1."""
+        if not self.config.has_mtp:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
+        tokens = self._as_batch(token_ids)
+        if tokens.shape[1] < 2:
+            raise ValueError("draft_logits needs at least 2 tokens per row")
+        _, hidden = self._logits_fn(self.params, tokens)
+        return np.asarray(self._draft_fn(self.params, tokens, hidden), np.float32)
+
+    def _as_batch(self, token_ids) -> jnp.ndarray:
+        try:
+            arr = np.asarray(token_ids)
+        except ValueError as e:
+            raise ValueError("token_ids must be a rectangular [B, T] array (pad rows to equal length)") from e
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2 or arr.shape[1] == 0:
+            raise ValueError(f"token_ids must have shape [B, T] with T >= 1, got {arr.shape}")
+        return jnp.asarray(self.check_token_ids(arr))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model({c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
+                f"mtp_layers={c.mtp_num_hidden_layers}, dtype={jnp.dtype(self.dtype).name}, path={self.path!r})")
+
+
+def _load_tokenizer(path: str):
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tok_file)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _chat_template(path: str) -> str | None:
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    tpl = _read_json(os.path.join(path, "tokenizer_config.json")).get("chat_template")
+    if tpl is None:
+        tpl = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+    return tpl if isinstance(tpl, str) else None
+
+
+def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
+         progress: bool = True) -> Model:
+    """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
+
+    ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
+    ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless.
+    """
+    if path is None:
+        from jaxmtp.default_model import default_model_path
+
+        path = default_model_path()
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
+        raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
+    if checkpoint.is_native(path):
+        params, cfg = checkpoint.load_native(path, dtype)
+    else:
+        params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
+    params = jax.device_put(params)
+    return Model(
+        config=cfg,
+        params=params,
+        tokenizer=_load_tokenizer(path),
+        path=path,
+        dtype=dtype,
+        backend=resolve_backend(backend),
+        generation_config=_read_json(os.path.join(path, "generation_config.json")),
+        chat_template=_chat_template(path),
+    )

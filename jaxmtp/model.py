@@ -1,0 +1,244 @@
+"""The Qwen3.5 text model and its MTP head as pure functions over a params pytree and an immutable carry.
+
+    forward(params, tokens [B, T], positions [B, T], carry, *, cfg) -> (logits, hidden, new_carry)
+
+``positions`` holds each token's absolute position; ``-1`` marks padding, which must sit at the end of a row (right
+padding). Padding tokens write nothing into any carry. ``hidden`` is the final-normed hidden state (what the LM head
+scores and what the MTP head consumes). Prefill (T = chunk), decode (T = 1) and verify (T = k + 1) are the same
+function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (state after every
+token) for speculative rollback.
+
+Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``)::
+
+    embed_tokens [V, H], norm [H], lm_head [H, V] (absent when tied), layers: list of
+      {input_layernorm, post_attention_layernorm, self_attn | linear_attn, mlp}
+    mtp: {pre_fc_norm_embedding, pre_fc_norm_hidden, fc [2H, H], layers: [full-attention layer], norm}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.config import FULL, Qwen35Config
+from jaxmtp.layers.attention import KVCache, gated_attention
+from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet
+from jaxmtp.layers.mlp import dense_mlp, moe_mlp
+from jaxmtp.layers.norms import rms_norm
+from jaxmtp.precision import einsum_f32
+from jaxmtp.layers.rope import rope_angles
+from jaxmtp.pallas import XLA, Backend
+
+Params = dict[str, Any]
+Carry = tuple  # one KVCache or GDNCarry per layer
+
+# Small tensors kept in float32 whatever the model dtype (norm offsets, GDN gates): exact copies of the checkpoint.
+FLOAT32_LEAVES = ("norm", "A_log", "dt_bias")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter shapes (the one place that lists every tensor)
+# ---------------------------------------------------------------------------------------------------------------
+def _mlp_shapes(cfg: Qwen35Config, moe: bool) -> dict:
+    h = cfg.hidden_size
+    if not moe:
+        i = cfg.intermediate_size
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    return {
+        "gate": (h, e),
+        "experts": {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)},
+        "shared_expert": {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)},
+        "shared_expert_gate": (h, 1),
+    }
+
+
+def _attention_shapes(cfg: Qwen35Config) -> dict:
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return {
+        "q_proj": (h, hq * 2 * d),
+        "k_proj": (h, hkv * d),
+        "v_proj": (h, hkv * d),
+        "o_proj": (hq * d, h),
+        "q_norm": (d,),
+        "k_norm": (d,),
+    }
+
+
+def _gdn_shapes(cfg: Qwen35Config) -> dict:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    return {
+        "in_proj_qkv": (h, cfg.conv_dim),
+        "in_proj_z": (h, cfg.gdn_value_dim),
+        "in_proj_b": (h, hv),
+        "in_proj_a": (h, hv),
+        "conv1d": (cfg.linear_conv_kernel_dim, cfg.conv_dim),
+        "A_log": (hv,),
+        "dt_bias": (hv,),
+        "norm": (cfg.linear_value_head_dim,),
+        "out_proj": (cfg.gdn_value_dim, h),
+    }
+
+
+def _layer_shapes(cfg: Qwen35Config, layer_type: str, moe: bool) -> dict:
+    h = cfg.hidden_size
+    mixer = {"self_attn": _attention_shapes(cfg)} if layer_type == FULL else {"linear_attn": _gdn_shapes(cfg)}
+    return {"input_layernorm": (h,), "post_attention_layernorm": (h,), **mixer, "mlp": _mlp_shapes(cfg, moe)}
+
+
+def param_shapes(cfg: Qwen35Config, dtype=jnp.bfloat16, include_mtp: bool = True) -> Params:
+    """Pytree of ``jax.ShapeDtypeStruct`` for every parameter (float32 for norms and GDN gates)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    tree: dict = {
+        "embed_tokens": (v, h),
+        "layers": [_layer_shapes(cfg, cfg.layer_types[i], cfg.layer_is_moe(i)) for i in range(cfg.num_hidden_layers)],
+        "norm": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = (h, v)
+    if include_mtp and cfg.has_mtp:
+        tree["mtp"] = {
+            "pre_fc_norm_embedding": (h,),
+            "pre_fc_norm_hidden": (h,),
+            "fc": (2 * h, h),
+            "layers": [_layer_shapes(cfg, FULL, cfg.mtp_is_moe) for _ in range(cfg.mtp_num_hidden_layers)],
+            "norm": (h,),
+        }
+
+    def leaf(path, shape):
+        name = str(path[-1].key)
+        f32 = any(tag in name for tag in FLOAT32_LEAVES)
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.float32 if f32 else jnp.dtype(dtype))
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random parameters with the right shapes (for tests, benchmarks and training from scratch).
+
+    Projections ~ N(0, scale); norm offsets ~ N(0, 0.1) (real checkpoints hold nonzero offsets); GDN ``A_log`` =
+    log U(1, 16) and ``dt_bias`` ~ N(0, 1) as in transformers' initialisation.
+    """
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, sds), k in zip(leaves, keys):
+        name = str(path[-1].key)
+        if name == "A_log":
+            x = jnp.log(jax.random.uniform(k, sds.shape, jnp.float32, 1.0, 16.0))
+        elif name == "dt_bias":
+            x = jax.random.normal(k, sds.shape, jnp.float32)
+        elif sds.dtype == jnp.float32 and len(sds.shape) == 1:
+            x = 0.1 * jax.random.normal(k, sds.shape, jnp.float32)
+        else:
+            x = scale * jax.random.normal(k, sds.shape, jnp.float32)
+        out.append(x.astype(sds.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def param_count(params_or_shapes) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params_or_shapes)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Carry
+# ---------------------------------------------------------------------------------------------------------------
+def init_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat16) -> Carry:
+    """Empty carry: a KV cache of ``max_len`` rows per attention layer, zero conv window and state per GDN layer."""
+    return tuple(
+        KVCache.zeros(cfg, batch, max_len, dtype) if t == FULL else GDNCarry.zeros(cfg, batch, dtype)
+        for t in cfg.layer_types
+    )
+
+
+def init_mtp_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat16) -> Carry:
+    """Empty MTP carry: one KV cache per MTP layer."""
+    return tuple(KVCache.zeros(cfg, batch, max_len, dtype) for _ in range(cfg.mtp_num_hidden_layers))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------------------
+def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *,
+                  gdn_form="chunk", step_states=False, backend: Backend = XLA):
+    """Pre-norm residual block: ``h = x + mixer(norm(x)); y = h + mlp(norm(h))``. Returns (y, new layer carry)."""
+    h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+    if layer_type == FULL:
+        y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
+                                   implementation=backend.attention)
+    else:
+        impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
+        y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions >= 0, carry, form=gdn_form,
+                                  step_states=step_states, implementation=impl)
+    x = x + y
+    h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+    x = x + (moe_mlp(lp["mlp"], cfg, h) if moe else dense_mlp(lp["mlp"], h))
+    return x, carry
+
+
+def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads use the embedding)."""
+    if "lm_head" in params:
+        return einsum_f32("...h,hv->...v", hidden, params["lm_head"])
+    return einsum_f32("...h,vh->...v", hidden, params["embed_tokens"])
+
+
+def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str):
+    """``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``: None."""
+    if logits == "all":
+        return lm_head(params, hidden)
+    if logits == "last":
+        last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+        return lm_head(params, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+    if logits == "none":
+        return None
+    raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
+
+
+def _gdn_form(gdn_form: str, t: int) -> str:
+    if gdn_form == "auto":
+        return "recurrent" if t <= 16 else "chunk"
+    return gdn_form
+
+
+def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Config, logits: str = "all",
+            step_states: bool = False, gdn_form: str = "auto", backend: Backend = XLA):
+    """The target model over a window of tokens. Returns ``(logits, hidden, new_carry)``; see the module doc."""
+    x = params["embed_tokens"][tokens]
+    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
+    form = _gdn_form(gdn_form, tokens.shape[1])
+    new_carry = []
+    for i, lp in enumerate(params["layers"]):
+        x, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin, carry[i],
+                             gdn_form=form, step_states=step_states, backend=backend)
+        new_carry.append(c)
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return select_logits(params, hidden, positions, logits), hidden, tuple(new_carry)
+
+
+def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry, *, cfg: Qwen35Config,
+                step: int = 0, logits: str = "all", backend: Backend = XLA):
+    """One MTP draft pass.
+
+    Row p combines the embedding of ``next_tokens[p]`` (the token at position p+1) with ``hidden[p]`` (the target's
+    final-normed hidden at p, or the MTP's own output for recursive steps), runs the full-attention MTP layer
+    ``step % N`` at ``positions[p]`` and returns ``(logits predicting position p+2, mtp hidden after mtp.norm,
+    new mtp carry)``.
+    """
+    mp = params["mtp"]
+    eps = cfg.rms_norm_eps
+    e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
+    z = jnp.concatenate([e, h], axis=-1) @ mp["fc"]
+    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
+    j = step % cfg.mtp_num_hidden_layers
+    z, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
+                         backend=backend)
+    hm = rms_norm(z, mp["norm"], eps)
+    new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
+    return select_logits(params, hm, positions, logits), hm, new_carry

@@ -1,0 +1,31 @@
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import hf_builders  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """``checkpoint_factory(kind, **options) -> (path, torch_model)``, cached per option set for the session."""
+    cache = {}
+
+    def make(kind, **options):
+        key = (kind, tuple(sorted(options.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(f"ckpt_{kind}"))
+            model = hf_builders.build_checkpoint(kind, path, **options)
+            cache[key] = (path, model)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
