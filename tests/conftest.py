@@ -2,6 +2,9 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # The CPU suite runs tiny models whose run time is negligible next to XLA compilation: compile fast.
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402

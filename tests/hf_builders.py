@@ -18,6 +18,25 @@ import torch
 from jaxmtp.safetensors_io import SafetensorsFile, save_file
 
 VOCAB = 113
+EOS = 111  # "<|eos|>" in the character tokenizer below; id 112 is unused padding, as in real padded vocabularies
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def write_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer over ids 0..111 (printable ASCII, newline, tab, 14 spare symbols, EOS)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"] + [f"<x{i}>" for i in range(14)]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|eos|>"])
+    assert tok.token_to_id("<|eos|>") == EOS
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE}, f)
 
 
 def text_kwargs(hv_ratio: int = 2, tie: bool = False, layers: int = 4, init: float = 0.06, **over) -> dict:
@@ -35,7 +54,7 @@ def text_kwargs(hv_ratio: int = 2, tie: bool = False, layers: int = 4, init: flo
         initializer_range=init,
         tie_word_embeddings=tie,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        eos_token_id=VOCAB - 1,
+        eos_token_id=EOS,
     )
     kw.update(over)
     return kw
@@ -186,6 +205,8 @@ def build_checkpoint(kind: str, path: str, *, seed: int = 0, with_mtp: bool = Tr
     """Save a tiny transformers model of ``kind`` (with random ``mtp.*``) to ``path``; returns the torch model."""
     model = build_hf_model(kind, seed=seed, **kw)
     model.save_pretrained(path)
+    if kw.get("vocab_size", VOCAB) == VOCAB:
+        write_char_tokenizer(path)
     cfg_path = os.path.join(path, "config.json")
     cfg = json.load(open(cfg_path))
     text = cfg.get("text_config", cfg)

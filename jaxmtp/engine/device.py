@@ -1,0 +1,266 @@
+"""Device-side state and the pure functions the engine jits: admit, prefill a chunk, run speculative steps.
+
+One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
+
+1. verify: the target runs over ``[last, d_1 .. d_k]`` at positions ``length .. length + k``, keeping every GDN
+   layer's state after each token (``GDNSteps``);
+2. accept: the target's token ``t_i`` at each position (greedy or seeded Gumbel-max, see :mod:`jaxmtp.sampling`);
+   ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
+   token budget;
+3. rollback: GDN carries take the entry after ``a + 1`` tokens of the stack; KV caches just advance ``length``
+   (rows past it are stale and overwritten later);
+4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states, row ``a``
+   gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
+
+With ``k = 0`` the same function is plain decoding (T = 1, no stack, no MTP).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxmtp.config import Qwen35Config
+from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, select_step
+from jaxmtp.model import forward, init_carry, init_mtp_carry, lm_head, mtp_forward
+from jaxmtp.pallas import Backend
+from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
+
+NONE, STOP, LENGTH = 0, 1, 2  # finish reasons on the device
+
+
+@struct.dataclass
+class SlotState:
+    """Everything the device keeps per slot (leading axis = slot)."""
+
+    carry: tuple  # target carry
+    mtp_carry: tuple  # MTP KV caches (empty with k = 0)
+    length: jax.Array  # [S] int32: tokens consumed by the target = position of `last`
+    last: jax.Array  # [S] int32: newest emitted token, not yet fed to the target
+    drafts: jax.Array  # [S, k] int32: MTP drafts for positions length+1 .. length+k
+    generated: jax.Array  # [S] int32: output tokens emitted so far
+    max_gen: jax.Array  # [S] int32: token budget (min of max_new_tokens and the context room)
+    active: jax.Array  # [S] bool
+    temperature: jax.Array  # [S] f32
+    top_k: jax.Array  # [S] int32
+    top_p: jax.Array  # [S] f32
+    seed_lo: jax.Array  # [S] uint32
+    seed_hi: jax.Array  # [S] uint32
+    stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 padded
+    oracle: "Oracle | None" = None  # controlled drafts for tests and benchmarks (None: MTP drafts only)
+
+
+@struct.dataclass
+class Oracle:
+    """Replaces MTP drafts by a known continuation, corrupted at one drawn index per step.
+
+    The MTP head still runs (so step costs are real); its drafts are then overwritten where the reference is known.
+    ``seq [S, capacity]``: reference token at each position (-1 unknown); ``probs [k+1]``: distribution of the index
+    that is corrupted (index k = no corruption), which fixes the distribution of acceptance lengths.
+    """
+
+    seq: jax.Array
+    probs: jax.Array
+    seed: jax.Array
+
+
+def apply_oracle(oracle: Oracle | None, drafts, new_length, generated, vocab: int):
+    if oracle is None:
+        return drafts
+    s, k = drafts.shape
+    pos = new_length[:, None] + 1 + jnp.arange(k)
+    true = jnp.take_along_axis(oracle.seq, jnp.clip(pos, 0, oracle.seq.shape[1] - 1), axis=1)
+    true = jnp.where(pos < oracle.seq.shape[1], true, -1)
+    keys = jax.vmap(lambda i, g: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(oracle.seed), i), g))(
+        jnp.arange(s), generated)
+    bad = jax.vmap(lambda key: jax.random.categorical(key, jnp.log(oracle.probs)))(keys)
+    corrupted = jnp.where(jnp.arange(k)[None] == bad[:, None], (true + 1) % vocab, true)
+    return jnp.where(true >= 0, corrupted, drafts).astype(jnp.int32)
+
+
+def set_oracle_row(state: SlotState, slot, seq_row) -> SlotState:
+    return state.replace(oracle=state.oracle.replace(seq=state.oracle.seq.at[slot].set(seq_row)))
+
+
+def init_state(cfg: Qwen35Config, slots: int, capacity: int, k: int, dtype, oracle_probs=None) -> SlotState:
+    """Empty state; ``capacity`` = KV rows per slot (max context + k of headroom for the verify window)."""
+    z = lambda dt: jnp.zeros((slots,), dt)  # noqa: E731
+    return SlotState(
+        carry=init_carry(cfg, slots, capacity, dtype),
+        mtp_carry=init_mtp_carry(cfg, slots, capacity, dtype) if k > 0 else (),
+        length=z(jnp.int32), last=z(jnp.int32), drafts=jnp.zeros((slots, k), jnp.int32), generated=z(jnp.int32),
+        max_gen=z(jnp.int32), active=z(bool), temperature=z(jnp.float32), top_k=z(jnp.int32),
+        top_p=jnp.ones((slots,), jnp.float32), seed_lo=z(jnp.uint32), seed_hi=z(jnp.uint32),
+        stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+        oracle=None if oracle_probs is None else Oracle(
+            seq=jnp.full((slots, capacity), -1, jnp.int32), probs=jnp.asarray(oracle_probs, jnp.float32),
+            seed=jnp.uint32(0)),
+    )
+
+
+def admit(state: SlotState, slots, max_gen, temperature, top_k, top_p, seed_lo, seed_hi, stop_ids) -> SlotState:
+    """Write a new request's settings into ``slots`` [Bp] (out-of-range slot ids are ignored) and zero the slots'
+    GDN carries (KV rows need no reset: a query never reads rows past its own position)."""
+    put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
+    carry = tuple(
+        GDNCarry(put(c.conv, 0), put(c.state, 0)) if isinstance(c, GDNCarry) else c for c in state.carry
+    )
+    return state.replace(
+        carry=carry,
+        max_gen=put(state.max_gen, max_gen), temperature=put(state.temperature, temperature),
+        top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seed_lo=put(state.seed_lo, seed_lo),
+        seed_hi=put(state.seed_hi, seed_hi), stop_ids=put(state.stop_ids, stop_ids),
+        active=put(state.active, False), generated=put(state.generated, 0),
+    )
+
+
+def deactivate(state: SlotState, slots) -> SlotState:
+    return state.replace(active=state.active.at[slots].set(False, mode="drop"))
+
+
+def _take(tree, slots):
+    return jax.tree.map(lambda a: a.at[slots].get(mode="fill", fill_value=0), tree)
+
+
+def _put(tree, slots, sub):
+    return jax.tree.map(lambda a, s: a.at[slots].set(s, mode="drop"), tree, sub)
+
+
+def _finish(tokens, n, generated, max_gen, stop_ids):
+    """Cut each row's first ``n`` candidate tokens at a stop id or the token budget.
+
+    tokens: [B, T]; n, generated, max_gen: [B]; stop_ids: [B, MAX_STOP_IDS].
+    Returns (n_emit [B], finished [B] bool, reason [B] int32).
+    """
+    t = tokens.shape[1]
+    idx = jnp.arange(t)[None]
+    is_stop = jnp.any(tokens[..., None] == stop_ids[:, None, :], axis=-1) & (tokens >= 0)
+    over = generated[:, None] + idx + 1 >= max_gen[:, None]
+    cut = (idx < n[:, None]) & (is_stop | over)
+    first = jnp.argmax(cut, axis=1)
+    finished = jnp.any(cut, axis=1)
+    stop_hit = jnp.take_along_axis(is_stop, first[:, None], axis=1)[:, 0]
+    reason = jnp.where(finished, jnp.where(stop_hit, STOP, LENGTH), NONE).astype(jnp.int32)
+    return jnp.where(finished, first + 1, n).astype(jnp.int32), finished, reason
+
+
+def _draft_rest(params, cfg, k, d1, h1, new_length, active, mtp_carry, backend):
+    """Recursive MTP steps 2..k: token d_{i}, MTP hidden, position new_length + i - 1. Returns ([B, k], carry)."""
+    drafts = [d1]
+    d, h = d1, h1
+    for i in range(1, k):
+        pos = jnp.where(active, new_length + i - 1, -1)[:, None]
+        logits, hm, mtp_carry = mtp_forward(params, d[:, None], h[:, None], pos, mtp_carry, cfg=cfg, step=i,
+                                            logits="all", backend=backend)
+        d, h = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), hm[:, 0]
+        drafts.append(d)
+    return jnp.stack(drafts, axis=1), mtp_carry
+
+
+def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_tokens, final, *, cfg: Qwen35Config,
+                  k: int, backend: Backend):
+    """Run one prompt chunk for rows ``slots`` [Bp] (ids >= num_slots are dummies).
+
+    tokens/positions: [Bp, C] right-padded (positions -1 on padding); next_tokens: [Bp, C], the token after each
+    position (the MTP's input; ignored at a final row's last position, which takes the sampled first token);
+    final: [Bp] bool, the chunk ends the prompt. For final rows the first token is sampled, drafts are made and the
+    slot becomes active. Returns (state, first_token [Bp], finished [Bp], reason [Bp]).
+    """
+    carry = _take(state.carry, slots)
+    _, hidden, carry = forward(params, tokens, positions, carry, cfg=cfg, logits="none", backend=backend)
+    n_valid = jnp.sum(positions >= 0, axis=1)
+    last_idx = jnp.maximum(n_valid - 1, 0)
+    h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+    generated0 = jnp.zeros_like(n_valid)
+    first = sample_tokens(lm_head(params, h_last)[:, None], row(state.temperature), row(state.top_k),
+                          row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None])[:, 0]
+    prompt_len = jnp.max(positions, axis=1) + 1
+    new_state = state.replace(carry=_put(state.carry, slots, carry))
+
+    drafts = jnp.zeros((slots.shape[0], k), jnp.int32)
+    if k > 0:
+        is_last = (jnp.arange(tokens.shape[1])[None] == last_idx[:, None]) & final[:, None]
+        nxt = jnp.where(is_last, first[:, None], next_tokens)
+        mtp = _take(state.mtp_carry, slots)
+        _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend)
+        hm_last = jnp.take_along_axis(hm, last_idx[:, None, None], axis=1)[:, 0]
+        d1 = jnp.argmax(lm_head(params, hm_last), axis=-1).astype(jnp.int32)
+        drafts, mtp = _draft_rest(params, cfg, k, d1, hm_last, prompt_len, final, mtp, backend)
+        if state.oracle is not None:
+            oracle = state.oracle.replace(seq=_take(state.oracle.seq, slots))
+            drafts = apply_oracle(oracle, drafts, prompt_len, jnp.ones_like(prompt_len), cfg.vocab_size)
+        new_state = new_state.replace(mtp_carry=_put(state.mtp_carry, slots, mtp))
+
+    n_emit, finished, reason = _finish(first[:, None], jnp.ones_like(n_valid), generated0, row(state.max_gen),
+                                       row(state.stop_ids))
+    fslots = jnp.where(final, slots, jnp.iinfo(jnp.int32).max)  # only final rows touch the slot fields
+    put = lambda a, v: a.at[fslots].set(v, mode="drop")  # noqa: E731
+    new_state = new_state.replace(
+        length=put(state.length, prompt_len), last=put(state.last, first), drafts=put(state.drafts, drafts),
+        generated=put(state.generated, n_emit), active=put(state.active, ~finished),
+    )
+    return new_state, first, finished & final, reason
+
+
+def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: Backend):
+    """One verify/accept/rollback/draft step for every slot. Returns (state, StepOut dict)."""
+    act = state.active
+    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)  # [S, k+1]
+    pos = jnp.where(act[:, None], state.length[:, None] + jnp.arange(k + 1), -1)
+    logits, hidden, carry = forward(params, tokens, pos, state.carry, cfg=cfg, logits="all", step_states=k > 0,
+                                    backend=backend)
+    index = state.generated[:, None] + jnp.arange(k + 1)
+    t = sample_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index)
+    if k > 0:
+        a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
+        n = a + 1
+
+        def pick(old, new):
+            if isinstance(new, GDNSteps):
+                sel = select_step(new, n)
+                return jax.tree.map(lambda o, s: jnp.where(act.reshape((-1,) + (1,) * (o.ndim - 1)), s, o), old, sel)
+            return new
+
+        carry = tuple(pick(o, c) for o, c in zip(state.carry, carry, strict=True))
+    else:
+        a = jnp.zeros_like(state.length)
+        n = a + 1
+    n_emit, finished, reason = _finish(t, n, state.generated, state.max_gen, state.stop_ids)
+    n_emit = jnp.where(act, n_emit, 0)
+    finished, reason = finished & act, jnp.where(act, reason, NONE)
+    new_length = jnp.where(act, state.length + n, state.length)
+    new_last = jnp.take_along_axis(t, a[:, None], axis=1)[:, 0]
+    new = state.replace(carry=carry, length=new_length, last=jnp.where(act, new_last, state.last),
+                        generated=state.generated + n_emit, active=act & ~finished)
+    if k > 0:
+        _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend)
+        h1 = jnp.take_along_axis(hm, a[:, None, None], axis=1)[:, 0]
+        d1 = jnp.argmax(lm_head(params, h1), axis=-1).astype(jnp.int32)
+        drafts, mtp = _draft_rest(params, cfg, k, d1, h1, new_length, new.active, mtp, backend)
+        drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
+        new = new.replace(mtp_carry=mtp, drafts=drafts)
+    return new, {"tokens": t, "n_emit": n_emit, "accepted": jnp.where(act, a, 0), "finished": finished,
+                 "reason": reason, "was_active": act}
+
+
+def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend):
+    """``num_steps`` speculative steps in one device loop (steps with no active slot are skipped).
+
+    Returns (state, outputs stacked over steps: tokens [N, S, k+1], n_emit/accepted/finished/reason [N, S]).
+    """
+    step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend)
+    s = state.length.shape[0]
+
+    def idle(st):
+        return st, {"tokens": jnp.zeros((s, k + 1), jnp.int32), "n_emit": jnp.zeros((s,), jnp.int32),
+                    "accepted": jnp.zeros((s,), jnp.int32), "finished": jnp.zeros((s,), bool),
+                    "reason": jnp.zeros((s,), jnp.int32), "was_active": jnp.zeros((s,), bool)}
+
+    def body(st, _):
+        return jax.lax.cond(jnp.any(st.active), lambda x: step(params, x), idle, st)
+
+    return jax.lax.scan(body, state, None, length=num_steps)

@@ -1,0 +1,458 @@
+"""The host side of the engine: requests, slots, chunked prefill, stops, statistics.
+
+``Engine.step()`` is one scheduling iteration: admit queued requests into free slots, run one prefill chunk for
+every request still prefilling (batched), then ``steps_per_sync`` speculative steps in one device loop, and turn
+the emitted tokens into :class:`RequestOutput` deltas. Device-to-host traffic per iteration is one transfer of the
+loop's outputs (tokens ``[N, slots, k+1]`` int32 plus a few ``[N, slots]`` vectors) and, after a prefill chunk,
+the first tokens of the finished prompts.
+
+Thread safety: ``add_request`` and ``abort`` may be called from any thread; ``step`` from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.engine import device
+from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
+from jaxmtp.engine.text import IncrementalDetokenizer, find_stop, held_back
+from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
+
+_REASONS = {device.STOP: "stop", device.LENGTH: "length"}
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculation statistics of one request (or aggregated)."""
+
+    k: int = 0
+    steps: int = 0  # verify (or decode) steps the request took part in
+    drafted: int = 0  # draft tokens proposed to the target
+    accepted: int = 0  # draft tokens accepted
+    accepted_per_position: list = dataclasses.field(default_factory=list)  # counts, length k
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.steps if self.steps else 0.0 for a in self.accepted_per_position]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step (1 + accepted drafts per step)."""
+        return (self.steps + self.accepted) / self.steps if self.steps else 0.0
+
+    def add(self, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += self.k
+        self.accepted += accepted
+        for i in range(min(accepted, self.k)):
+            self.accepted_per_position[i] += 1
+
+    def as_dict(self) -> dict:
+        return {"k": self.k, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_per_position": self.acceptance_per_position,
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one ``step`` produced for a request: new token ids and text, and the final state once finished."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    stats: SpecStats | None = None
+    time_to_first_token: float | None = None
+    elapsed: float | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: np.ndarray
+    params: SamplingParams
+    arrival: float
+    detok: IncrementalDetokenizer | None = None
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already run through the target
+    generated: list = dataclasses.field(default_factory=list)
+    stats: SpecStats = None
+    first_token_time: float | None = None
+    sent: int = 0  # characters of text streamed so far
+    done: bool = False
+    reason: str | None = None
+    oracle: np.ndarray | None = None  # prompt + reference continuation (oracle drafts)
+
+
+class Engine:
+    """Continuous-batching speculative decoding over a fixed number of slots.
+
+    Args:
+        model: a loaded :class:`jaxmtp.Model`.
+        num_slots: concurrent requests held on the device.
+        max_context: most tokens (prompt + output) per request; default min(8192, the model's maximum).
+        num_draft_tokens: k; None picks 3 when the checkpoint has an MTP head, else 0 (plain decoding).
+        prefill_chunk: largest prompt chunk per prefill call (shorter ones use power-of-two buckets from 16).
+        steps_per_sync: speculative steps per device loop before the host reads tokens.
+        max_prefill_batch: prompts prefilled together in one call.
+        oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.device.Oracle` drafts with this
+            distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
+    """
+
+    def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
+                 num_draft_tokens: int | None = None, prefill_chunk: int = 256, steps_per_sync: int = 8,
+                 max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None):
+        cfg = model.config
+        if num_draft_tokens is None:
+            num_draft_tokens = 3 if cfg.has_mtp else 0
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+            raise EngineConfigError(f"num_draft_tokens must be a non-negative integer, got {num_draft_tokens!r}")
+        if num_draft_tokens > 0 and not cfg.has_mtp:
+            raise EngineConfigError("num_draft_tokens > 0 needs an MTP head, and this checkpoint has none; use 0")
+        if num_slots < 1:
+            raise EngineConfigError(f"num_slots must be >= 1, got {num_slots}")
+        max_context = max_context or min(8192, cfg.max_position_embeddings)
+        if not 2 <= max_context <= cfg.max_position_embeddings:
+            raise EngineConfigError(
+                f"max_context must be in [2, {cfg.max_position_embeddings}] (the model's max_position_embeddings), "
+                f"got {max_context}"
+            )
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        self.model = model
+        self.cfg = cfg
+        self.k = num_draft_tokens
+        self.num_slots = num_slots
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.steps_per_sync = steps_per_sync
+        self.max_prefill_batch = max_prefill_batch or min(num_slots, 8)
+        self.plan = memory_plan(cfg, num_slots, max_context, self.k, model.dtype)
+        if check_memory:
+            check_fits(self.plan, device_memory_bytes())
+        if oracle_probs is not None and len(oracle_probs) != self.k + 1:
+            raise EngineConfigError(f"oracle_probs needs k + 1 = {self.k + 1} entries")
+        self.state = device.init_state(cfg, num_slots, max_context + self.k, self.k, model.dtype, oracle_probs)
+        self.eos_ids = model.eos_token_ids
+        self.tokenizer = model.tokenizer
+
+        backend = model.backend
+        self.trace_counts = collections.Counter()  # how often each device function was traced (= compiled)
+
+        def counted(name, fn):
+            def wrapper(*a, **kw):
+                self.trace_counts[name] += 1
+                return fn(*a, **kw)
+            return wrapper
+
+        self._admit = jax.jit(counted("admit", device.admit), donate_argnums=0)
+        self._deactivate = jax.jit(counted("deactivate", device.deactivate), donate_argnums=0)
+        self._set_oracle = jax.jit(device.set_oracle_row, donate_argnums=0)
+        self._prefill = jax.jit(counted("prefill", functools.partial(device.prefill_chunk, cfg=cfg, k=self.k,
+                                                                     backend=backend)), donate_argnums=1)
+        self._run = jax.jit(counted("step", functools.partial(device.run_steps, cfg=cfg, k=self.k,
+                                                              num_steps=steps_per_sync, backend=backend)),
+                            donate_argnums=1)
+
+        self._lock = threading.RLock()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._slots: list[_Request | None] = [None] * num_slots
+        self._by_id: dict[str, _Request] = {}
+        self._aborted: list[str] = []
+        self._ids = itertools.count()
+        self.totals = SpecStats(k=self.k, accepted_per_position=[0] * self.k)
+        self.num_steps_run = 0
+
+    def set_oracle_probs(self, probs) -> None:
+        """Change the oracle drafter's corruption distribution (k + 1 entries) without recompiling."""
+        if self.state.oracle is None or len(probs) != self.k + 1:
+            raise EngineConfigError("set_oracle_probs needs an engine built with oracle_probs, and k + 1 entries")
+        self.state = self.state.replace(oracle=self.state.oracle.replace(probs=jnp.asarray(probs, jnp.float32)))
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> np.ndarray:
+        """Check a request; returns the prompt as int32. Raises ValueError with a clear message."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a jaxmtp.SamplingParams")
+        prompt = self.model.check_token_ids(np.asarray(list(prompt_ids)))
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("the prompt is empty")
+        if prompt.size >= self.max_context:
+            raise ValueError(
+                f"prompt of {prompt.size} tokens does not fit the context of {self.max_context} tokens "
+                "(at least one generated token must fit)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        return prompt
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, oracle_continuation: Sequence[int] | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for invalid input (nothing is queued then)."""
+        params = (params or SamplingParams()).with_seed()
+        prompt = self.validate(prompt_ids, params)
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._by_id:
+                raise ValueError(f"request id {rid!r} is already in use")
+            req = _Request(rid, prompt, params, time.perf_counter(),
+                           detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                           stats=SpecStats(k=self.k, accepted_per_position=[0] * self.k))
+            if oracle_continuation is not None:
+                if self.state.oracle is None:
+                    raise ValueError("oracle_continuation needs an engine built with oracle_probs")
+                req.oracle = np.concatenate([prompt, np.asarray(oracle_continuation, np.int32)])
+            self._by_id[rid] = req
+            self._queue.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a queued or running request; its slot is freed at the next step. False if unknown/finished."""
+        with self._lock:
+            req = self._by_id.get(request_id)
+            if req is None or req.done:
+                return False
+            self._aborted.append(request_id)
+            return True
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._aborted or any(r is not None for r in self._slots))
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    # ---- one scheduling iteration ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        self._handle_aborts(outputs)
+        self._admit_queued()
+        self._prefill_once(outputs)
+        if any(r is not None and r.prefilled == r.prompt.size and not r.done for r in self._slots):
+            self._decode(outputs)
+        return list(outputs.values())
+
+    def _out(self, outputs, req: _Request) -> RequestOutput:
+        if req.id not in outputs:
+            outputs[req.id] = RequestOutput(req.id, [], "", num_prompt_tokens=int(req.prompt.size))
+        return outputs[req.id]
+
+    def _handle_aborts(self, outputs):
+        with self._lock:
+            aborted, self._aborted = self._aborted, []
+            for rid in aborted:
+                req = self._by_id.get(rid)
+                if req is None or req.done:
+                    continue
+                if req in self._queue:
+                    self._queue.remove(req)
+                self._finish(outputs, req, "abort")
+        slots = [s for s, r in enumerate(self._slots) if r is not None and r.done]
+        self._free(slots)
+
+    def _free(self, slots):
+        if not slots:
+            return
+        ids = np.full((self.num_slots,), self.num_slots, np.int32)
+        ids[: len(slots)] = slots
+        self.state = self._deactivate(self.state, jnp.asarray(ids))
+        for s in slots:
+            self._slots[s] = None
+
+    def _admit_queued(self):
+        free = [s for s, r in enumerate(self._slots) if r is None]
+        new = []
+        with self._lock:
+            while free and self._queue:
+                req = self._queue.popleft()
+                req.slot = free.pop(0)
+                self._slots[req.slot] = req
+                new.append(req)
+        if not new:
+            return
+        b = self.num_slots
+        slots = np.full((b,), b, np.int32)
+        max_gen = np.zeros((b,), np.int32)
+        temp, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        top_k, lo, hi = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32)
+        stops = np.full((b, len(stop_id_row(SamplingParams(), ()))), -1, np.int32)
+        for i, r in enumerate(new):
+            p = r.params
+            slots[i] = r.slot
+            max_gen[i] = min(p.max_new_tokens, self.max_context - r.prompt.size)
+            temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            lo[i], hi[i] = split_seed(p.seed)
+            stops[i] = stop_id_row(p, self.eos_ids)
+        self.state = self._admit(self.state, *map(jnp.asarray, (slots, max_gen, temp, top_k, top_p, lo, hi, stops)))
+        if self.state.oracle is not None:
+            cap = self.state.oracle.seq.shape[1]
+            for r in new:
+                row = np.full((cap,), -1, np.int32)
+                if r.oracle is not None:
+                    row[: min(cap, r.oracle.size)] = r.oracle[:cap]
+                self.state = self._set_oracle(self.state, r.slot, jnp.asarray(row))
+
+    def _prefill_once(self, outputs):
+        pending = [r for r in self._slots if r is not None and r.prefilled < r.prompt.size and not r.done]
+        for group_start in range(0, len(pending), self.max_prefill_batch):
+            group = pending[group_start : group_start + self.max_prefill_batch]
+            self._prefill_group(group, outputs)
+
+    def _bucket(self, n: int, lo: int, hi: int) -> int:
+        b = lo
+        while b < n and b < hi:
+            b *= 2
+        return min(b, hi)
+
+    def _prefill_group(self, group, outputs):
+        rows = self._bucket(len(group), 1, self.max_prefill_batch)
+        chunk = self._bucket(max(min(self.prefill_chunk, r.prompt.size - r.prefilled) for r in group), 16,
+                             self.prefill_chunk)
+        slots = np.full((rows,), self.num_slots, np.int32)
+        tokens = np.zeros((rows, chunk), np.int32)
+        positions = np.full((rows, chunk), -1, np.int32)
+        nxt = np.zeros((rows, chunk), np.int32)
+        final = np.zeros((rows,), bool)
+        for i, r in enumerate(group):
+            start = r.prefilled
+            n = min(chunk, r.prompt.size - start)
+            slots[i] = r.slot
+            tokens[i, :n] = r.prompt[start : start + n]
+            positions[i, :n] = np.arange(start, start + n)
+            follow = r.prompt[start + 1 : start + n + 1]
+            nxt[i, : follow.size] = follow
+            final[i] = start + n == r.prompt.size
+            r.prefilled += n
+        self.state, first, finished, reason = self._prefill(
+            self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
+        if not final.any():
+            return
+        first, finished, reason = np.asarray(first), np.asarray(finished), np.asarray(reason)
+        now = time.perf_counter()
+        done_slots = []
+        for i, r in enumerate(group):
+            if not final[i]:
+                continue
+            r.first_token_time = now
+            self._emit(outputs, r, [int(first[i])])
+            if finished[i] and not r.done:
+                self._finish(outputs, r, _REASONS[int(reason[i])])
+            if r.done:
+                done_slots.append(r.slot)
+        self._free(done_slots)
+
+    def _decode(self, outputs):
+        self.state, out = self._run(self.model.params, self.state)
+        out = jax.device_get(out)
+        self.num_steps_run += self.steps_per_sync
+        done_slots = []
+        for step in range(self.steps_per_sync):
+            for s, r in enumerate(self._slots):
+                if r is None or r.done or not out["was_active"][step, s]:
+                    continue
+                n = int(out["n_emit"][step, s])
+                accepted = min(int(out["accepted"][step, s]), max(n - 1, 0))
+                r.stats.add(accepted)
+                self.totals.add(accepted)
+                self._emit(outputs, r, out["tokens"][step, s, :n].tolist())
+                if out["finished"][step, s] and not r.done:
+                    self._finish(outputs, r, _REASONS[int(out["reason"][step, s])])
+        for s, r in enumerate(self._slots):
+            if r is not None and r.done:
+                done_slots.append(s)
+        self._free(done_slots)
+
+    def _emit(self, outputs, req: _Request, ids: list[int]):
+        """Record new tokens; stream their text, holding back any tail that may begin a stop string."""
+        if req.done or not ids:
+            return
+        o = self._out(outputs, req)
+        if req.detok is None:
+            req.generated.extend(ids)
+            o.token_ids.extend(ids)
+            return
+        req.detok.add(ids)
+        text, stops = req.detok.text, req.params.stop
+        hit = find_stop(text, stops, req.sent) if stops else None
+        if hit is None:
+            req.generated.extend(ids)
+            o.token_ids.extend(ids)
+            safe = len(text) - held_back(text, stops) if stops else len(text)
+            o.text += text[req.sent : safe]
+            req.sent = max(req.sent, safe)
+            return
+        # A stop string: the text ends before it; the ids end with the token that completes it.
+        idx, length = hit
+        keep = max(req.detok.tokens_covering(idx + length), len(req.generated))
+        new_ids = req.detok.ids[len(req.generated) : keep]
+        req.generated.extend(new_ids)
+        o.token_ids.extend(new_ids)
+        o.text += text[req.sent : idx]
+        req.sent = idx
+        self._finish(outputs, req, "stop", flush=False)
+
+    def _finish(self, outputs, req: _Request, reason: str, flush: bool = True):
+        o = self._out(outputs, req)
+        if flush and req.detok is not None:
+            req.detok.flush()
+            o.text += req.detok.text[req.sent :]
+            req.sent = len(req.detok.text)
+        req.done, req.reason = True, reason
+        now = time.perf_counter()
+        o.finished, o.finish_reason = True, reason
+        o.num_generated_tokens = len(req.generated)
+        o.stats = req.stats
+        o.time_to_first_token = (req.first_token_time - req.arrival) if req.first_token_time else None
+        o.elapsed = now - req.arrival
+        with self._lock:
+            self._by_id.pop(req.id, None)
+
+    # ---- warm-up --------------------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile every device function (prefill buckets, the step loop) with no effect on the state."""
+        t0 = time.perf_counter()
+        rows = 1
+        while True:
+            chunk = 16
+            while True:
+                z = jnp.zeros((rows, chunk), jnp.int32)
+                self.state, *_ = self._prefill(self.model.params, self.state,
+                                               jnp.full((rows,), self.num_slots, jnp.int32), z, z - 1, z,
+                                               jnp.zeros((rows,), bool))
+                if chunk >= self.prefill_chunk:
+                    break
+                chunk *= 2
+            if rows >= self.max_prefill_batch:
+                break
+            rows = min(rows * 2, self.max_prefill_batch)
+        self.state, out = self._run(self.model.params, self.state)
+        jax.block_until_ready(out)
+        ids = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
+        self.state = self._deactivate(self.state, ids)
+        b = self.num_slots
+        zi, zf = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
+        self.state = self._admit(self.state, ids, zi, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
+                                 jnp.full((b, self.state.stop_ids.shape[1]), -1, jnp.int32))
+        jax.block_until_ready(self.state.length)
+        return time.perf_counter() - t0

@@ -1,0 +1,122 @@
+"""Memory accounting from the config: weights, per-slot carries and the per-step transients.
+
+Per slot (``capacity`` = max context + k rows of KV headroom for the verify window):
+
+* KV: attention layers x 2 (k, v) x Hkv x capacity x head_dim x dtype bytes, plus the same for each MTP layer;
+* GDN: layers x (Hv x dk x dv x 4 bytes of float32 state + (K-1) x conv channels x dtype bytes of conv window);
+* verify stack (transient, one step): GDN layers x (k+1) states x Hv x dk x dv x 4 bytes, plus the window's raw conv
+  inputs, plus the k+1 rows of float32 logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.config import Qwen35Config
+from jaxmtp.model import param_count, param_shapes
+
+
+class EngineConfigError(ValueError):
+    """Engine settings that the model or the device cannot hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    kv_per_slot: int
+    mtp_kv_per_slot: int
+    gdn_state_per_slot: int
+    conv_per_slot: int
+    verify_stack_per_slot: int
+    logits_per_slot: int
+    slots: int
+    capacity: int
+    k: int
+
+    @property
+    def persistent_per_slot(self) -> int:
+        return self.kv_per_slot + self.mtp_kv_per_slot + self.gdn_state_per_slot + self.conv_per_slot
+
+    @property
+    def transient_per_slot(self) -> int:
+        return self.verify_stack_per_slot + self.logits_per_slot
+
+    @property
+    def per_slot(self) -> int:
+        return self.persistent_per_slot + self.transient_per_slot
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.slots * self.per_slot
+
+    def table(self) -> str:
+        gib = lambda b: f"{b / 2**20:10.2f} MiB"  # noqa: E731
+        rows = [
+            ("weights", self.weights), ("KV per slot", self.kv_per_slot), ("MTP KV per slot", self.mtp_kv_per_slot),
+            ("GDN state per slot", self.gdn_state_per_slot), ("conv window per slot", self.conv_per_slot),
+            ("verify stack per slot (transient)", self.verify_stack_per_slot),
+            ("logits per slot (transient)", self.logits_per_slot),
+            (f"total ({self.slots} slots, {self.capacity} KV rows, k={self.k})", self.total),
+        ]
+        return "\n".join(f"  {name:45s}{gib(b)}" for name, b in rows)
+
+
+def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16) -> MemoryPlan:
+    """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens."""
+    b = jnp.dtype(dtype).itemsize
+    capacity = max_context + k
+    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * b
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    weights = sum(int(x.size) * x.dtype.itemsize
+                  for x in jax.tree_util.tree_leaves(param_shapes(cfg, dtype, include_mtp=k > 0)))
+    return MemoryPlan(
+        weights=weights,
+        kv_per_slot=n_attn * capacity * kv_row,
+        mtp_kv_per_slot=(cfg.mtp_num_hidden_layers * capacity * kv_row) if k > 0 else 0,
+        gdn_state_per_slot=n_gdn * state,
+        conv_per_slot=n_gdn * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * b,
+        verify_stack_per_slot=(n_gdn * ((k + 1) * state + (cfg.linear_conv_kernel_dim + k) * cfg.conv_dim * b))
+        if k > 0 else 0,
+        logits_per_slot=(k + 1) * cfg.vocab_size * 4,
+        slots=slots,
+        capacity=capacity,
+        k=k,
+    )
+
+
+def device_memory_bytes(device=None) -> int | None:
+    """Usable memory of the device (accelerator limit, or the host's physical memory for CPU)."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def check_fits(plan: MemoryPlan, available: int | None, headroom: float = 0.9) -> None:
+    """Raise :class:`EngineConfigError` when the plan does not fit in ``headroom`` of the device memory."""
+    if available is None:
+        return
+    if plan.total > headroom * available:
+        most = max(0, int((headroom * available - plan.weights) // max(plan.per_slot, 1)))
+        raise EngineConfigError(
+            f"{plan.slots} slots x {plan.capacity} KV rows need {plan.total / 2**30:.2f} GiB but the device has "
+            f"{available / 2**30:.2f} GiB ({headroom:.0%} usable): at most {most} slots fit at this context "
+            f"({plan.per_slot / 2**20:.1f} MiB per slot, weights {plan.weights / 2**30:.2f} GiB)\n{plan.table()}"
+        )
+
+
+__all__ = ["EngineConfigError", "MemoryPlan", "check_fits", "device_memory_bytes", "memory_plan", "param_count"]

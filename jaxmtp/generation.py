@@ -1,0 +1,258 @@
+"""``jaxmtp.generate``: the library call (and ``python -m jaxmtp``, its command-line form).
+
+    results = jaxmtp.generate(model_or_path, prompts, max_new_tokens=..., temperature=0.0, top_k=0, top_p=1.0,
+                              seed=None, num_draft_tokens=None, stop=None, ...)
+
+``prompts`` is a string, a list of token ids, a list of chat messages (``{"role", "content"}`` dicts, rendered with
+the checkpoint's chat template), or a list of those (a batch). A single prompt gives a single
+:class:`GenerationResult`, a batch a list. ``generate_stream`` yields :class:`StreamChunk` s as tokens are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from jaxmtp.engine.engine import Engine, RequestOutput, SpecStats
+from jaxmtp.loading import Model, load
+from jaxmtp.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    stats: dict
+
+    def __str__(self) -> str:
+        return self.text if self.text is not None else str(self.token_ids)
+
+
+@dataclasses.dataclass
+class StreamChunk:
+    index: int  # which prompt of the batch
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+def _is_chat(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, dict) for m in p)
+
+
+def _is_ids(p) -> bool:
+    return isinstance(p, (list, tuple, np.ndarray)) and len(p) > 0 and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
+
+
+def normalize_prompts(prompts) -> tuple[list, bool]:
+    """Returns (list of single prompts, whether the input was a batch)."""
+    if isinstance(prompts, str) or _is_ids(prompts) or _is_chat(prompts):
+        return [prompts], False
+    if isinstance(prompts, (list, tuple)) and prompts:
+        for p in prompts:
+            if not (isinstance(p, str) or _is_ids(p) or _is_chat(p)):
+                raise ValueError("each prompt must be a string, a non-empty list of token ids or a list of chat "
+                                 f"messages, got {type(p).__name__}: {str(p)[:60]!r}")
+        return list(prompts), True
+    raise ValueError("prompts must be a string, a list of token ids, chat messages, or a non-empty list of those")
+
+
+def render_chat(model: Model, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """Render chat messages with the checkpoint's Jinja chat template (needs jinja2)."""
+    if not model.chat_template:
+        raise ValueError("this checkpoint has no chat template; pass a string or token ids instead of messages")
+    for m in messages:
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"chat messages need 'role' and 'content', got {m!r}")
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 ships with transformers and most environments
+        raise ImportError("rendering chat messages needs jinja2: pip install jinja2") from e
+
+    def raise_exception(message):
+        raise ValueError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    special = {k: model.generation_config.get(k) for k in ("bos_token", "eos_token")}
+    return env.from_string(model.chat_template).render(messages=list(messages),
+                                                        add_generation_prompt=add_generation_prompt, **special)
+
+
+def encode_prompt(model: Model, prompt) -> list[int]:
+    if _is_ids(prompt):
+        return [int(t) for t in prompt]
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer (no tokenizer.json): pass token ids instead of text")
+    if _is_chat(prompt):
+        return model.tokenizer.encode(render_chat(model, prompt), add_special_tokens=False).ids
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return model.tokenizer.encode(prompt).ids
+
+
+# ---- engine reuse ----------------------------------------------------------------------------------------------
+def _pow2(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+def get_engine(model: Model, *, num_slots: int, max_context: int, num_draft_tokens: int | None,
+               steps_per_sync: int = 8, prefill_chunk: int = 256) -> Engine:
+    """An engine for these settings, cached on the model so repeated calls reuse compiled steps."""
+    cache = model.__dict__.setdefault("_engines", {})
+    key = (num_slots, max_context, num_draft_tokens, steps_per_sync, prefill_chunk)
+    if key not in cache:
+        cache[key] = Engine(model, num_slots=num_slots, max_context=max_context, num_draft_tokens=num_draft_tokens,
+                            steps_per_sync=steps_per_sync, prefill_chunk=prefill_chunk)
+    return cache[key]
+
+
+def _prepare(model_or_path, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, stop,
+             stop_token_ids, ignore_eos, num_slots, max_context, steps_per_sync):
+    model = model_or_path if isinstance(model_or_path, Model) else load(model_or_path)
+    items, batched = normalize_prompts(prompts)
+    ids = [encode_prompt(model, p) for p in items]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+                            top_p=float(top_p), seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+                            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos)
+    limit = model.config.max_position_embeddings
+    if max_context is None:
+        max_context = min(limit, _pow2(max(len(x) for x in ids) + max_new_tokens, 256))
+    num_slots = num_slots or min(64, _pow2(len(ids), 1))
+    engine = get_engine(model, num_slots=num_slots, max_context=max_context, num_draft_tokens=num_draft_tokens,
+                        steps_per_sync=steps_per_sync)
+    # One seed per prompt: the given seed for the first, seed + i for the others, random when None.
+    for p in ids:  # validate everything before queueing anything
+        engine.validate(p, params)
+    rids = []
+    for i, p in enumerate(ids):
+        pi = dataclasses.replace(params, seed=None if seed is None else seed + i)
+        rids.append(engine.add_request(p, pi))
+    return model, engine, ids, rids, batched
+
+
+def _stats(o: RequestOutput, k: int) -> dict:
+    s: SpecStats = o.stats or SpecStats(k=k, accepted_per_position=[0] * k)
+    d = s.as_dict()
+    d["tokens_per_second"] = o.num_generated_tokens / o.elapsed if o.elapsed else 0.0
+    d["time_to_first_token"] = o.time_to_first_token
+    d["elapsed"] = o.elapsed
+    d["num_generated_tokens"] = o.num_generated_tokens
+    return d
+
+
+def _drain(engine: Engine, rids: list[str]) -> Iterator[StreamChunk]:
+    index = {r: i for i, r in enumerate(rids)}
+    pending = set(rids)
+    try:
+        while pending:
+            for o in engine.step():
+                if o.request_id not in index:
+                    continue
+                if o.finished:
+                    pending.discard(o.request_id)
+                yield StreamChunk(index[o.request_id], o.token_ids, o.text, o.finished, o.finish_reason,
+                                  _stats(o, engine.k) if o.finished else None)
+    finally:  # a consumer that stops early must not leave requests running
+        for r in pending:
+            engine.abort(r)
+        while engine.has_work():
+            engine.step()
+
+
+def generate_stream(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                    num_draft_tokens: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+                    num_slots: int | None = None, max_context: int | None = None,
+                    steps_per_sync: int = 8) -> Iterator[StreamChunk]:
+    """Yield :class:`StreamChunk` s (several token ids each) as the engine accepts them; the last chunk of each
+    prompt has ``finished=True``, its finish reason and statistics. Arguments as in :func:`generate`."""
+    _, engine, _, rids, _ = _prepare(
+        model_or_path, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync)
+    yield from _drain(engine, rids)
+
+
+def generate(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, num_draft_tokens: int | None = None, stop=None,
+             stop_token_ids=None, ignore_eos: bool = False, num_slots: int | None = None,
+             max_context: int | None = None, steps_per_sync: int = 8):
+    """Generate for one prompt (returns a :class:`GenerationResult`) or a batch (returns a list).
+
+    ``num_draft_tokens`` is k, the MTP draft tokens verified per step (0 = plain decoding; None = 3 when the
+    checkpoint has an MTP head). Greedy output (temperature 0) is token-for-token the same for every k; a seeded
+    sampled output is the same for every k and batch composition. With a batch, prompt i uses seed + i.
+    """
+    model, engine, prompt_ids, rids, batched = _prepare(
+        model_or_path, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync)
+    texts = [[] for _ in rids]
+    ids = [[] for _ in rids]
+    final: list[StreamChunk | None] = [None] * len(rids)
+    for c in _drain(engine, rids):
+        texts[c.index].append(c.text)
+        ids[c.index].extend(c.token_ids)
+        if c.finished:
+            final[c.index] = c
+    results = [
+        GenerationResult(text="".join(texts[i]) if model.tokenizer is not None else None, token_ids=ids[i],
+                         finish_reason=final[i].finish_reason, prompt_token_ids=prompt_ids[i], stats=final[i].stats)
+        for i in range(len(rids))
+    ]
+    return results if batched else results[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxmtp",
+                                 description="Generate text with MTP speculative decoding.")
+    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("-k", "--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args(argv)
+    try:
+        model = load(args.model, dtype=args.dtype)
+        t0 = time.perf_counter()
+        sys.stdout.write(args.prompt)
+        final = None
+        for c in generate_stream(model, args.prompt, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                 num_draft_tokens=args.num_draft_tokens, stop=args.stop):
+            sys.stdout.write(c.text)
+            sys.stdout.flush()
+            final = c
+    except (ValueError, OSError) as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    s = final.stats
+    print(f"\n\n[{s['num_generated_tokens']} tokens, finish={final.finish_reason}, k={s['k']}, "
+          f"mean acceptance length {s['mean_acceptance_length']:.2f}, "
+          f"acceptance per position {[round(a, 2) for a in s['acceptance_per_position']]}, "
+          f"{s['num_generated_tokens'] / (time.perf_counter() - t0):.1f} tokens/s including compile]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

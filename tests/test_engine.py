@@ -1,0 +1,256 @@
+"""The speculative engine: exactness against plain decoding, controlled acceptance, seeded sampling, stops."""
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jaxmtp
+from hf_builders import EOS, VOCAB
+from jaxmtp.engine import Engine, EngineConfigError
+from jaxmtp.sampling import SamplingParams
+
+
+def run(engine, prompts, params, continuations=None):
+    """Drive ``engine`` until every request ends. Returns [(token ids, final RequestOutput)] in prompt order."""
+    rids = [engine.add_request(p, params[i] if isinstance(params, list) else params,
+                               oracle_continuation=None if continuations is None else continuations[i])
+            for i, p in enumerate(prompts)]
+    toks, final = collections.defaultdict(list), {}
+    while engine.has_work():
+        for o in engine.step():
+            toks[o.request_id] += o.token_ids
+            if o.finished:
+                final[o.request_id] = o
+    return [(toks[r], final[r]) for r in rids]
+
+
+SETTINGS = dict(num_slots=4, max_context=96, prefill_chunk=16, steps_per_sync=3, max_prefill_batch=1)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_factory):
+    return {kind: jaxmtp.load(checkpoint_factory(kind, hv_ratio=2)[0], dtype="float32", progress=False)
+            for kind in ("dense", "moe", "next")}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """One engine per (model kind, k[, oracle]) with common settings, shared by the tests (compiles are costly)."""
+    cache = {}
+
+    def get(kind, k, oracle=False):
+        key = (kind, k, oracle)
+        if key not in cache:
+            probs = [1 / (k + 1)] * (k + 1) if oracle else None
+            cache[key] = Engine(models[kind], num_draft_tokens=k, oracle_probs=probs, **SETTINGS)
+        elif oracle:
+            cache[key].set_oracle_probs([1 / (k + 1)] * (k + 1))
+        return cache[key]
+
+    return get
+
+
+def mixed_prompts(rng, lengths=(3, 21, 37, 16)):
+    return [rng.integers(0, EOS, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+def test_greedy_speculative_equals_plain_for_every_k(engines, rng, kind):
+    """k = 1..4 with the real MTP head give exactly the k = 0 tokens; prompts cross 16-token prefill chunks."""
+    prompts = mixed_prompts(rng)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outputs = {}
+    for k in range(5):
+        outputs[k] = run(engines(kind, k), prompts, params)
+        assert all(len(t) == 24 and o.finish_reason == "length" for t, o in outputs[k])
+        if k:
+            st = outputs[k][0][1].stats
+            assert st.steps > 0 and st.drafted == k * st.steps
+    for k in range(1, 5):
+        assert [t for t, _ in outputs[k]] == [t for t, _ in outputs[0]], f"k={k} differs from plain decoding"
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """Plain greedy continuations of some prompts (the oracle drafter's known answers)."""
+    rng = np.random.default_rng(7)
+    prompts = mixed_prompts(rng, (5, 33, 18))
+    ref = run(engines("dense", 0), prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    return prompts, [t for t, _ in ref]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_every_acceptance_length_occurs_and_output_is_unchanged(engines, reference, k):
+    prompts, ref = reference
+    eng = engines("dense", k, oracle=True)
+    out = run(eng, prompts, SamplingParams(max_new_tokens=40, ignore_eos=True), continuations=ref)
+    assert [t for t, _ in out] == ref
+    lengths = collections.Counter()
+    for _, o in out:
+        st = o.stats
+        # accepted_per_position[i] counts steps with > i accepted drafts, so lengths are recoverable exactly
+        counts = [st.steps] + st.accepted_per_position + [0]
+        for a in range(k + 1):
+            lengths[a] += counts[a] - counts[a + 1]
+        assert st.accepted == sum(st.accepted_per_position)
+    assert all(lengths[a] > 0 for a in range(k + 1)), lengths
+    assert eng.trace_counts["step"] == 1  # one compiled step whatever the acceptance pattern
+
+
+def test_step_compiles_once_and_prefill_shapes_are_bounded(models, reference):
+    prompts, ref = reference
+    eng = Engine(models["dense"], num_slots=4, max_context=96, num_draft_tokens=3, prefill_chunk=32,
+                 steps_per_sync=2, max_prefill_batch=2, oracle_probs=[0.25] * 4)
+    eng.warmup()
+    compiled = dict(eng.trace_counts)
+    for round_ in range(3):  # many steps, varying acceptance, requests arriving and leaving
+        run(eng, prompts, SamplingParams(max_new_tokens=40 - 7 * round_, ignore_eos=True), continuations=ref)
+    assert eng.num_steps_run >= 40
+    assert dict(eng.trace_counts) == compiled, (compiled, eng.trace_counts)
+    assert compiled["step"] == 1 and compiled["prefill"] <= 2 * 2  # row buckets {1, 2} x chunk buckets {16, 32}
+
+
+def test_stop_id_and_budget_inside_an_accepted_window(engines, reference):
+    """With every draft accepted, a stop id or the token budget falls inside a window: nothing past it is emitted."""
+    prompts, ref = reference
+    eng = engines("dense", 4, oracle=True)
+    eng.set_oracle_probs([0, 0, 0, 0, 1])
+    # Stop at the first occurrence of a token that first appears at output index >= 3.
+    i = next(i for i in range(3, 40) if ref[0][i] not in ref[0][:i])
+    stop_tok = ref[0][i]
+    out = run(eng, prompts[:1], SamplingParams(max_new_tokens=40, stop_token_ids=(stop_tok,)),
+              continuations=ref[:1])
+    toks, o = out[0]
+    assert toks == ref[0][: i + 1] and o.finish_reason == "stop" and o.num_generated_tokens == i + 1
+    assert o.stats.mean_acceptance_length > 2  # the stop really fell inside multi-token windows
+    for budget in (1, 2, 7, 13):
+        toks, o = run(eng, prompts[1:2], SamplingParams(max_new_tokens=budget, ignore_eos=True),
+                      continuations=ref[1:2])[0]
+        assert toks == ref[1][:budget] and o.finish_reason == "length" and o.num_generated_tokens == budget
+
+
+def test_eos_inside_a_window_ends_generation_unless_ignored(models, reference):
+    """Make a token of the known continuation the model's EOS (through generation_config, as checkpoints do):
+    generation stops right after it, inside a fully accepted window; ignore_eos runs on."""
+    prompts, ref = reference
+    i = next(i for i in range(4, 40) if ref[2][i] not in ref[2][:i])
+    model = dataclasses.replace(models["dense"], generation_config={"eos_token_id": [ref[2][i]]})
+    assert ref[2][i] in model.eos_token_ids and EOS in model.eos_token_ids
+    eng = Engine(model, num_draft_tokens=3, oracle_probs=[0, 0, 0, 1], **SETTINGS)
+    toks, o = run(eng, prompts[2:3], SamplingParams(max_new_tokens=40), continuations=ref[2:3])[0]
+    assert toks == ref[2][: i + 1] and o.finish_reason == "stop" and o.num_generated_tokens == i + 1
+    toks, o = run(eng, prompts[2:3], SamplingParams(max_new_tokens=40, ignore_eos=True), continuations=ref[2:3])[0]
+    assert toks == ref[2] and o.finish_reason == "length"
+
+
+def test_seeded_sampling_is_identical_for_every_k_and_batch(engines, rng):
+    prompts = mixed_prompts(rng, (7, 30))
+    others = mixed_prompts(rng, (12, 25))
+    params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=1234 + i,
+                             ignore_eos=True) for i in range(2)]
+    alone = {}
+    for k in range(5):
+        eng = engines("next", k)
+        alone[k] = [t for t, _ in run(eng, prompts, params)]
+        mixed = run(eng, others[:1] + prompts + others[1:],
+                    [SamplingParams(max_new_tokens=15, temperature=1.3, seed=9, ignore_eos=True)] + params
+                    + [SamplingParams(max_new_tokens=9, ignore_eos=True)])
+        assert [t for t, _ in mixed[1:3]] == alone[k], f"k={k}: batch composition changed a seeded output"
+    for k in range(1, 5):
+        assert alone[k] == alone[0], f"k={k} sampled differently from k=0"
+    other_seed = run(engines("next", 0), prompts[:1], SamplingParams(max_new_tokens=20, temperature=0.9, seed=99,
+                                                                     ignore_eos=True))
+    assert alone[0][0] != other_seed[0][0]  # another seed gives another sample
+
+
+CHI2_CRIT_DF15_P001 = 37.697  # chi-square critical value, 15 degrees of freedom, p = 0.001
+
+
+def test_sampled_tokens_follow_the_target_distribution(checkpoint_factory):
+    """Chi-square on a 16-token vocabulary: first and second sampled tokens (the second comes from a verify step
+    with k = 2) match the exact target marginals computed from full forwards."""
+    path, _ = checkpoint_factory("dense", hv_ratio=1, vocab_size=16, eos_token_id=15, init=0.4, seed=5)
+    model = jaxmtp.load(path, dtype="float32", progress=False)
+    prompt = [3, 1, 4, 1, 5, 9 % 16, 2, 6]
+    temp = 1.5
+    p0 = np.exp(model.logits([prompt])[0, -1] / temp)
+    p0 /= p0.sum()
+    ext = np.array([prompt + [t] for t in range(16)])
+    p1c = np.exp(model.logits(ext)[:, -1] / temp)
+    p1c /= p1c.sum(-1, keepdims=True)
+    p1 = p0 @ p1c  # marginal of the second token
+    n = 1600
+    eng = Engine(model, num_slots=64, max_context=16, num_draft_tokens=2, prefill_chunk=16, steps_per_sync=1)
+    out = run(eng, [prompt] * n, [SamplingParams(max_new_tokens=2, temperature=temp, seed=s, ignore_eos=True)
+                                  for s in range(n)])
+    seqs = np.array([t for t, _ in out])
+    assert seqs.shape == (n, 2)
+    for col, p in ((0, p0), (1, p1)):
+        counts = np.bincount(seqs[:, col], minlength=16)
+        chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+        assert chi2 < CHI2_CRIT_DF15_P001, (col, chi2, counts, np.round(n * p, 1))
+    assert eng.totals.steps > 0
+
+
+def test_invalid_requests_and_settings_are_clear_errors(models, engines, checkpoint_factory):
+    model = models["dense"]
+    eng = engines("dense", 1)
+    with pytest.raises(ValueError, match="does not fit the context of 96"):
+        eng.add_request([1] * 96, SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request([1, VOCAB + 5], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert not eng.has_work()  # nothing was queued by the failed calls
+    with pytest.raises(EngineConfigError, match="num_draft_tokens"):
+        Engine(model, num_slots=1, max_context=32, num_draft_tokens=-1)
+    nomtp = jaxmtp.load(checkpoint_factory("dense", hv_ratio=1, with_mtp=False)[0], dtype="float32", progress=False)
+    with pytest.raises(EngineConfigError, match="needs an MTP head"):
+        Engine(nomtp, num_slots=1, max_context=32, num_draft_tokens=2)
+    assert Engine(nomtp, num_slots=1, max_context=32).k == 0  # default falls back to plain decoding
+    with pytest.raises(EngineConfigError, match="slots fit"):
+        Engine(model, num_slots=10**6, max_context=4096, num_draft_tokens=1)
+
+
+def test_abort_frees_the_slot(models, rng):
+    model = models["dense"]
+    eng = Engine(model, num_slots=1, max_context=64, num_draft_tokens=2, prefill_chunk=16, steps_per_sync=1)
+    a = eng.add_request(rng.integers(0, EOS, 9).tolist(), SamplingParams(max_new_tokens=50, ignore_eos=True))
+    b = eng.add_request(rng.integers(0, EOS, 5).tolist(), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    got = collections.defaultdict(list)
+    finals = {}
+    for o in eng.step() + eng.step():
+        got[o.request_id] += o.token_ids
+    assert got[a] and not got[b]  # b waits for the only slot
+    assert eng.abort(a) and not eng.abort("nope")
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    assert finals[a].finish_reason == "abort" and finals[b].finish_reason == "length" and len(got[b]) == 4
+    assert len(got[a]) < 50
+
+
+def test_memory_plan_matches_allocated_state(models):
+    model = models["moe"]
+    for k in (0, 3):
+        eng = Engine(model, num_slots=3, max_context=40, num_draft_tokens=k, prefill_chunk=16)
+        carry_bytes = sum(x.nbytes for x in jax_leaves(eng.state.carry)) + sum(
+            x.nbytes for x in jax_leaves(eng.state.mtp_carry))
+        assert carry_bytes == 3 * eng.plan.persistent_per_slot
+        assert "total (3 slots, " in eng.plan.table()
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
