@@ -1,21 +1,42 @@
 """Gated delta rule: one API per form (chunked prefill, fused recurrent), a jnp reference and Pallas kernels.
 
 Names and arguments follow flash-linear-attention (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``).
+``implementation`` picks the code: ``"xla"`` (jnp reference), ``"triton"`` (GPU), ``"mosaic_tpu"`` (TPU), or
+``"triton_interpret"`` / ``"mosaic_tpu_interpret"`` (the same kernels in the Pallas interpreter, for CPU tests).
+A kernel that cannot take the shapes (Triton needs dk and dv powers of two >= 16; the recurrent kernels unroll
+over at most ``MAX_RECURRENT_TOKENS`` tokens) falls back to the reference.
 """
 
+from jaxmtp.pallas._common import KERNELS, MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
 from jaxmtp.pallas.gated_delta_rule.reference import (
     l2norm,
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
 )
 
+MAX_RECURRENT_TOKENS = 16
+
+
+def _triton_shapes_ok(dk: int, dv: int) -> bool:
+    return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
+
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
                            use_qk_l2norm_in_kernel=False, chunk_size=64, implementation="xla"):
     """Chunked form for prefill; see :func:`naive_chunk_gated_delta_rule` for shapes."""
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunk_size)
+    if implementation in (TRITON, TRITON_INTERPRET):
+        if _triton_shapes_ok(q.shape[-1], v.shape[-1]) and chunk_size in (16, 32, 64):
+            from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
+
+            return chunk_gated_delta_rule_triton(*args, interpret=interpret_arg(implementation))
+        implementation = "xla"
+    if implementation in (MOSAIC_TPU, MOSAIC_TPU_INTERPRET):
+        from jaxmtp.pallas.gated_delta_rule.chunk_tpu import chunk_gated_delta_rule_tpu
+
+        return chunk_gated_delta_rule_tpu(*args, interpret=interpret_arg(implementation))
     if implementation == "xla":
-        return naive_chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            use_qk_l2norm_in_kernel, chunk_size)
+        return naive_chunk_gated_delta_rule(*args)
     raise ValueError(f"unknown gated delta rule implementation {implementation!r}")
 
 
@@ -23,9 +44,21 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
                                      use_qk_l2norm_in_kernel=False, output_step_states=False,
                                      implementation="xla"):
     """Token recurrence for decode/verify; see :func:`naive_recurrent_gated_delta_rule` for shapes."""
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, output_step_states)
+    if implementation in KERNELS and q.shape[1] > MAX_RECURRENT_TOKENS:  # the kernels unroll over tokens
+        implementation = "xla"
+    if implementation in (TRITON, TRITON_INTERPRET):
+        if _triton_shapes_ok(q.shape[-1], v.shape[-1]):
+            from jaxmtp.pallas.gated_delta_rule.recurrent_triton import fused_recurrent_gated_delta_rule_triton
+
+            return fused_recurrent_gated_delta_rule_triton(*args, interpret=interpret_arg(implementation))
+        implementation = "xla"
+    if implementation in (MOSAIC_TPU, MOSAIC_TPU_INTERPRET):
+        from jaxmtp.pallas.gated_delta_rule.recurrent_tpu import fused_recurrent_gated_delta_rule_tpu
+
+        return fused_recurrent_gated_delta_rule_tpu(*args, interpret=interpret_arg(implementation))
     if implementation == "xla":
-        return naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                use_qk_l2norm_in_kernel, output_step_states)
+        return naive_recurrent_gated_delta_rule(*args)
     raise ValueError(f"unknown gated delta rule implementation {implementation!r}")
 
 

@@ -1,0 +1,54 @@
+"""Small helpers shared by the Pallas kernels: implementation names, interpret modes and in-kernel matmuls."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Implementation names understood by every op's dispatcher (besides "xla", the jnp reference).
+TRITON = "triton"                              # GPU, Pallas Triton lowering
+TRITON_INTERPRET = "triton_interpret"          # the same kernel run by the Pallas interpreter (CPU tests)
+MOSAIC_TPU = "mosaic_tpu"                      # TPU, Pallas Mosaic lowering
+MOSAIC_TPU_INTERPRET = "mosaic_tpu_interpret"  # the same kernel in TPU interpret mode (CPU tests)
+KERNELS = (TRITON, TRITON_INTERPRET, MOSAIC_TPU, MOSAIC_TPU_INTERPRET)
+
+
+def interpret_arg(implementation: str):
+    """The ``interpret=`` argument of ``pallas_call`` for an implementation name."""
+    if implementation == TRITON_INTERPRET:
+        return True
+    if implementation == MOSAIC_TPU_INTERPRET:
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return False
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def work_dtype(dtype) -> jnp.dtype:
+    """Operand dtype of in-kernel matmuls: 16-bit inputs stay 16-bit (float32 accumulation), else float32."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype.itemsize == 2 else jnp.dtype(jnp.float32)
+
+
+def mm(a, b, *, ta: bool = False, tb: bool = False, dtype=jnp.float32, interpret: bool = False):
+    """``a @ b`` (``a.T`` / ``b.T`` with ``ta`` / ``tb``) with operands rounded to ``dtype``, float32 result.
+
+    float32 operands use full float32 precision (Triton "ieee"). In interpret mode on the CPU, 16-bit operands are
+    upcast after rounding (XLA:CPU has no bf16 x bf16 -> f32 dot): the same products, accumulated in float32.
+    """
+    a, b = a.astype(dtype), b.astype(dtype)
+    if interpret and a.dtype != jnp.float32:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last axis (float32)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -1,0 +1,100 @@
+"""Fused recurrent gated delta rule for GPU (Pallas, Triton lowering): decode (T = 1) and verify (T = k + 1).
+
+Grid ``(dv / BV, Hv, B)``: the v-slices of one head's state are neighbours in launch order, so concurrently running
+programs stream one contiguous state. A program holds the ``[dk, BV]`` float32 slice of one value head's state in
+registers and walks the T tokens (T is static and small, so the loop is unrolled): decay, delta read ``S^T k``,
+rank-1 write, read-out ``S^T q``, all as float32 elementwise products and reductions (no matmul units: the work is
+one pass over the state, bound by memory). With ``output_step_states`` the state after every token is stored into
+``[B, T, Hv, dk, dv]`` as it is produced; plain decode stores only the final state. Inputs keep the model's
+``[B, T, H, d]`` layout; value head h reads q/k head ``h // (Hv // Hk)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jaxmtp.pallas._common import l2norm_rows
+
+
+def _kernel(*refs, t, scale, l2norm, has_init, mode):
+    q_ref, k_ref, v_ref, g_ref, b_ref, *rest = refs
+    h0_ref = rest.pop(0) if has_init else None
+    o_ref, *s_refs = rest
+    dk, bv = q_ref.shape[-1], v_ref.shape[-1]
+    s = h0_ref[...].astype(jnp.float32) if has_init else jnp.zeros((dk, bv), jnp.float32)
+    for i in range(t):
+        q = q_ref[i, :].astype(jnp.float32)
+        k = k_ref[i, :].astype(jnp.float32)
+        if l2norm:
+            q, k = l2norm_rows(q), l2norm_rows(k)
+        q = q * scale
+        s = s * jnp.exp(g_ref[i].astype(jnp.float32))
+        kv = jnp.sum(s * k[:, None], axis=0)
+        u = (v_ref[i, :].astype(jnp.float32) - kv) * b_ref[i].astype(jnp.float32)
+        s = s + k[:, None] * u[None, :]
+        o_ref[i, :] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        if mode == "steps":
+            s_refs[0][i, :, :] = s
+    if mode == "final":
+        s_refs[0][...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "output_step_states", "block_v", "num_warps", "interpret"))
+def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                            output_step_states=False, *, block_v=None, num_warps=None,
+                                            interpret=False):
+    """Same contract as :func:`naive_recurrent_gated_delta_rule`; ``block_v`` (BV) and ``num_warps`` tune it."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    if hv % hk:
+        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
+    r = hv // hk
+    bv = min(block_v or 32, dv)
+    if dv % bv:
+        raise ValueError(f"dv={dv} must be a multiple of block_v={bv}")
+    scale = dk**-0.5 if scale is None else scale
+    mode = "steps" if output_step_states else ("final" if output_final_state else "none")
+    has_init = initial_state is not None
+
+    seq = lambda d: pl.BlockSpec((None, t, None, d), lambda iv, h, bi: (bi, 0, h // r, 0))  # noqa: E731
+    in_specs = [
+        seq(dk),
+        seq(dk),
+        pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)),
+        pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
+        pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
+    ]
+    args = [q, k, v, g, beta]
+    state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv))
+    if has_init:
+        in_specs.append(state_spec)
+        args.append(initial_state.astype(jnp.float32))
+    out_shape = [jax.ShapeDtypeStruct((b, t, hv, dv), v.dtype)]
+    out_specs = [pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv))]
+    if mode == "steps":
+        out_shape.append(jax.ShapeDtypeStruct((b, t, hv, dk, dv), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, t, None, dk, bv), lambda iv, h, bi: (bi, 0, h, 0, iv)))
+    elif mode == "final":
+        out_shape.append(jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32))
+        out_specs.append(state_spec)
+
+    kernel = functools.partial(_kernel, t=t, scale=float(scale), l2norm=use_qk_l2norm_in_kernel,
+                               has_init=has_init, mode=mode)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(dv // bv, hv, b),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        interpret=interpret,
+        name="gdn_fused_recurrent",
+    )(*args)
+    return outs[0], (outs[1] if mode != "none" else None)

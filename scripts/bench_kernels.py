@@ -1,0 +1,685 @@
+"""Check and time the Pallas kernels against the XLA references and flash-linear-attention (FLA) on a GPU.
+
+    python scripts/bench_kernels.py --out bench.json [--sections a,b,...] [--max-seconds 540] [--no-fla]
+    python scripts/bench_kernels.py --smoke    # tiny shapes, interpret mode, no torch: checks the script on a CPU
+
+Sections: ``ceilings`` (device copy, bf16 matmul), ``check`` (every kernel vs its reference at Qwen3.5 shapes, bf16),
+``model`` (small random Qwen3.5: prefill, decode, verify with kernels vs the XLA path), ``fla_check`` (FLA computes
+the same function), ``recurrent``, ``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` (tiles).
+Everything does not fit in one 10-minute device call: see docs/performance.md ("Kernels") for the calls used.
+
+Timing (:func:`time_jax`): one jit runs 1 + n calls, each fed the previous call's output (a true dependency: no
+merging, dropping or overlapping), the other inputs rotating over copies so small problems cannot live in L2; the
+difference to a 1-call jit, over n, is the device time per call, launch gaps included. FLA runs ``REPS`` calls (each
+on its own inputs) in a captured CUDA graph, timed with CUDA events.
+Bandwidth counts the fewest bytes an op must move (inputs read once, outputs written once); ceilings are measured
+in the same run (a device-to-device copy, a bf16 8192^3 matmul). Results go to JSON; a short table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmtp.pallas.attention import attention_reference  # noqa: E402
+from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule.recurrent_triton import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+
+REPS, ITERS = 10, 5
+XLA_RECURRENT = {(1, 1), (64, 1), (8, 5), (64, 5)}  # (B, T) where the XLA reference is timed too
+XLA_ATTENTION = {(1, 1), (8, 5)}
+RESULTS: dict = {"rows": [], "checks": [], "errors": []}
+T_START = time.time()
+ARGS = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------------
+def _fresh(a):
+    """A copy of ``a`` in a new device buffer (None stays None)."""
+    return None if a is None else jnp.copy(a)
+
+
+def _nbytes(args):
+    return sum(a.size * a.dtype.itemsize for a in args if a is not None)
+
+
+def time_jax(fn, *args, chain, reps=None, iters=ITERS):
+    """Seconds per call of ``fn(*args)`` on the device.
+
+    Two executables run 1 and 1 + ``reps`` calls, each call's input rebuilt from the previous call's output by
+    ``chain(args, out)`` (a true data dependency: XLA can neither merge, drop nor overlap the calls), the other
+    inputs rotating over copies so that small problems do not run out of L2. The difference of the two median
+    wall times over ``reps`` cancels dispatch and synchronisation overhead.
+    """
+    set_bytes = _nbytes(args)
+    reps = reps or (30 if set_bytes < (16 << 20) else 16 if set_bytes < (128 << 20) else 8)
+    n_sets = max(1, min(reps + 1, -(-(256 << 20) // max(set_bytes, 1))))
+    sets = [tuple(args)] + [tuple(_fresh(a) for a in args) for _ in range(n_sets - 1)]
+
+    def chained(n):
+        def f(all_sets):
+            out = fn(*all_sets[0])
+            for i in range(1, n):
+                out = fn(*chain(all_sets[i % len(all_sets)], out))
+            return out
+
+        return jax.jit(f)
+
+    def median_wall(n):
+        f = chained(n)
+        jax.block_until_ready(f(sets))
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(sets))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t1, tn = median_wall(1), median_wall(1 + reps)
+    return (tn - t1) / reps if tn > t1 else tn / (1 + reps)
+
+
+def chain_v(a, out):
+    """GDN ops: the output o [B, T, Hv, dv] becomes the next call's v."""
+    return (a[0], a[1], out[0], *a[3:])
+
+
+def chain_first(a, out):
+    """Ops whose output has the shape and dtype of their first input (attention q, a copy, x @ W, MoE x)."""
+    return (out, *a[1:])
+
+
+def time_torch(fns, iters=ITERS):
+    """Seconds per call of torch callables ``fns`` (one per input set) replayed in a CUDA graph (eager fallback)."""
+    import torch
+
+    reps = len(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        run, how = graph.replay, "graph"
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+
+        def run():
+            for f in fns:
+                f()
+
+        how = "eager"
+    run()
+    ts = []
+    for _ in range(iters):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(ts) / reps, how
+
+
+def out_of_time(section):
+    if time.time() - T_START > ARGS.max_seconds:
+        RESULTS["errors"].append(f"{section}: skipped, out of time")
+        return True
+    return False
+
+
+def record(op, shape, impl, seconds, nbytes=None, flops=None, **extra):
+    row = {"op": op, "shape": shape, "impl": impl, "us": seconds * 1e6, **extra}
+    if nbytes:
+        row["GB/s"] = nbytes / seconds / 1e9
+        if RESULTS.get("copy_GBps"):
+            row["%bw"] = 100 * row["GB/s"] / RESULTS["copy_GBps"]
+    if flops:
+        row["TFLOP/s"] = flops / seconds / 1e12
+        if RESULTS.get("matmul_TFLOPs"):
+            row["%mm"] = 100 * row["TFLOP/s"] / RESULTS["matmul_TFLOPs"]
+    RESULTS["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def guarded(section, fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except Exception as e:  # noqa: BLE001
+        msg = f"{section}: {type(e).__name__}: {str(e)[:2000]}"
+        RESULTS["errors"].append(msg)
+        print("ERROR", msg, traceback.format_exc()[-3000:], flush=True)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------------------
+def gdn_inputs(key, b, t, hk, hv, d, dtype=jnp.bfloat16, lengths=None):
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (b, t, hk, d), dtype)
+    k = jax.random.normal(ks[1], (b, t, hk, d), dtype)
+    v = jax.random.normal(ks[2], (b, t, hv, d), dtype)
+    g = -jnp.exp(jax.random.normal(ks[3], (b, t, hv), jnp.float32) - 2.0)  # decays around e^-0.14
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, hv), jnp.float32))
+    if lengths is not None:
+        valid = jnp.arange(t)[None, :, None] < jnp.asarray(lengths)[:, None, None]
+        g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    s0 = 0.1 * jax.random.normal(ks[5], (b, hv, d, d), jnp.float32)
+    return q, k, v, g, beta, s0
+
+
+def attn_inputs(key, b, t, hq, hkv, d, s, positions, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 3)
+    q = jax.random.normal(ks[0], (b, t, hq, d), dtype)
+    kc = jax.random.normal(ks[1], (b, hkv, s, d), dtype)
+    vc = jax.random.normal(ks[2], (b, hkv, s, d), dtype)
+    return q, kc, vc, jnp.asarray(positions, jnp.int32)
+
+
+def rel_err(got, want, mask=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if mask is not None:
+        got, want = np.where(mask, got, 0), np.where(mask, want, 0)
+    finite = bool(np.isfinite(got).all())
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)), finite
+
+
+def add_check(name, err, finite, tol, **extra):
+    ok = finite and err < tol
+    row = {"check": name, "rel_err": err, "finite": finite, "tol": tol, "pass": ok, **extra}
+    RESULTS["checks"].append(row)
+    print(json.dumps(row), flush=True)
+
+
+def impl_kw():
+    return {"interpret": True} if ARGS.smoke else {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------------------------------
+def section_ceilings():
+    n = (1 << 28) if not ARGS.smoke else (1 << 20)  # 1 GiB of float32
+    x = jnp.ones((n,), jnp.float32) * 1.5
+    t = time_jax(lambda a: jax.lax.optimization_barrier(a * 1.0001), x, chain=chain_first, reps=8)  # no fusion
+    RESULTS["jax_copy_GBps"] = 2 * 4 * n / t / 1e9
+    m = 8192 if not ARGS.smoke else 256
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    bm = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    t = time_jax(lambda p, q: p @ q, a, bm, chain=chain_first, reps=5)
+    RESULTS["jax_matmul_TFLOPs"] = 2 * m**3 / t / 1e12
+    RESULTS["copy_GBps"], RESULTS["matmul_TFLOPs"] = RESULTS["jax_copy_GBps"], RESULTS["jax_matmul_TFLOPs"]
+    if not ARGS.smoke and not ARGS.no_fla:
+        import torch
+
+        src = torch.ones(1 << 30, dtype=torch.float32, device="cuda")
+        dst = torch.empty_like(src)
+        t, _ = time_torch([lambda: dst.copy_(src)] * 10)
+        RESULTS["torch_copy_GBps"] = 2 * 4 * (1 << 30) / t / 1e9
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        t, _ = time_torch([lambda: a @ b] * 5)
+        RESULTS["torch_matmul_TFLOPs"] = 2 * 8192**3 / t / 1e12
+        del src, dst, a, b
+        torch.cuda.empty_cache()
+        RESULTS["copy_GBps"] = max(RESULTS["jax_copy_GBps"], RESULTS["torch_copy_GBps"])
+        RESULTS["matmul_TFLOPs"] = max(RESULTS["jax_matmul_TFLOPs"], RESULTS["torch_matmul_TFLOPs"])
+    print({k: v for k, v in RESULTS.items() if k.endswith(("GBps", "TFLOPs"))}, flush=True)
+
+
+def section_check():
+    """Every kernel against its reference at Qwen3.5 shapes, bf16 inputs (reference on the same inputs)."""
+    sm = ARGS.smoke
+    d, hk = (16, 2) if sm else (128, 16)
+    for hv, b, t, steps in [(3 * hk, 8, 5, True), (2 * hk, 4, 1, False), (3 * hk, 2, 3, True)]:
+        lengths = [t] * (b - 1) + [max(1, t - 2)]
+        q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(b * t), b, t, hk, hv, d, lengths=lengths)
+        kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True, output_step_states=steps)
+        o, s = fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, **kw, **impl_kw())
+        o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+        add_check(f"recurrent o b{b} t{t} hv{hv} steps{steps}", *rel_err(o, o_r), 1e-2)
+        add_check(f"recurrent state b{b} t{t} hv{hv} steps{steps}", *rel_err(s, s_r), 1e-5)
+    t = 100 if sm else 1000
+    for hv in ((2 * hk, 3 * hk) if not sm else (2 * hk,)):
+        q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(hv), 2, t, hk, hv, d, lengths=[t, t - 333 if not sm else 61])
+        kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True)
+        o, s = chunk_gated_delta_rule_triton(q, k, v, g, beta, **kw, **impl_kw())
+        o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+        add_check(f"chunk o t{t} hv{hv}", *rel_err(o, o_r), 2e-2)
+        add_check(f"chunk state t{t} hv{hv}", *rel_err(s, s_r), 2e-2)
+    d = 32 if sm else 256
+    s_len = 300 if sm else 32768 + 40
+    for (hq, hkv), b, t in [((16, 2), 4, 1), ((24, 2), 3, 5), ((24, 2), 2, 300 if not sm else 40)]:
+        starts = np.array([s_len - t - 7, 123, 5000 if not sm else 50, 17][:b])
+        pos = starts[:, None] + np.arange(t)[None]
+        pos[-1, -1] = -1
+        q, kc, vc, pos = attn_inputs(jax.random.key(t), b, t, hq if not sm else hq // 4, hkv, d, s_len, pos)
+        o = cached_attention_triton(q, kc, vc, pos, **impl_kw())
+        o_r = attention_reference(q, kc, vc, pos)
+        add_check(f"attention b{b} t{t} {hq}/{hkv} S{s_len}", *rel_err(o, o_r, np.asarray(pos)[:, :, None, None] >= 0),
+                  1e-2)
+
+
+def section_model():
+    """Small random Qwen3.5 (real head sizes): prefill, decode and verify with kernels vs the XLA path, bf16."""
+    from jaxmtp.config import FULL, LINEAR, Qwen35Config
+    from jaxmtp.layers.gated_deltanet import GDNSteps
+    from jaxmtp.model import forward, init_carry, init_params
+    from jaxmtp.pallas import XLA, Backend
+
+    sm = ARGS.smoke
+    cfg = Qwen35Config(
+        family="qwen3_5", vocab_size=2048 if not sm else 64, hidden_size=1024 if not sm else 64, num_hidden_layers=4,
+        num_attention_heads=16 if not sm else 4, num_key_value_heads=2, head_dim=256 if not sm else 32,
+        layer_types=(LINEAR, LINEAR, LINEAR, FULL), linear_num_key_heads=16 if not sm else 2,
+        linear_num_value_heads=32 if not sm else 4, linear_key_head_dim=128 if not sm else 16,
+        linear_value_head_dim=128 if not sm else 16, intermediate_size=2048 if not sm else 64)
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    kind = "triton_interpret" if sm else "triton"
+    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind)
+    b, t0, cap = 2, 200, 256
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)
+    pre = np.broadcast_to(np.arange(t0, dtype=np.int32), (b, t0)).copy()
+    pre[1, 150:] = -1
+    lens = np.array([t0, 150])
+
+    def run(backend, dtype=jnp.bfloat16):
+        fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
+        p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, params)
+        logits_p, _, carry = fwd(p, ids[:, :t0], jnp.asarray(pre), init_carry(cfg, b, cap, dtype))
+        logits_d, _, carry = fwd(p, ids[:, t0 : t0 + 1], jnp.asarray(lens[:, None], jnp.int32), carry)
+        vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
+        logits_v, _, steps = fwd(p, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)
+        states = [c.states for c in steps if isinstance(c, GDNSteps)]
+        return [logits_p, logits_d, logits_v], states
+
+    got, got_s = run(kernels)
+    want, want_s = run(XLA)
+    truth, truth_s = run(XLA, jnp.float32)  # the same bf16 weights, float32 activations: how large is bf16 noise
+    mask = (pre >= 0)[:, :, None]
+    for name, g_, w_, t_, m in zip(["prefill", "decode", "verify"], got, want, truth, [mask, None, None]):
+        err, fin = rel_err(g_, w_, m)
+        agree = float(np.mean(np.argmax(np.asarray(g_), -1) == np.argmax(np.asarray(w_), -1)))
+        add_check(f"model {name} logits", err, fin, 2e-2, argmax_agreement=agree,
+                  kernels_vs_f32=rel_err(g_, t_, m)[0], xla_bf16_vs_f32=rel_err(w_, t_, m)[0])
+    err = max(rel_err(g_, w_)[0] for g_, w_ in zip(got_s, want_s))
+    add_check("model verify GDN step states", err, True, 2e-2,
+              kernels_vs_f32=max(rel_err(g_, t_)[0] for g_, t_ in zip(got_s, truth_s)),
+              xla_bf16_vs_f32=max(rel_err(w_, t_)[0] for w_, t_ in zip(want_s, truth_s)))
+
+
+def fla_inputs(b, t, hk, hv, d):
+    import torch
+
+    dev = "cuda"
+    q = torch.randn(b, t, hk, d, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(b, t, hk, d, dtype=torch.bfloat16, device=dev)
+    v = torch.randn(b, t, hv, d, dtype=torch.bfloat16, device=dev)
+    g = -torch.exp(torch.randn(b, t, hv, dtype=torch.float32, device=dev) - 2.0)
+    beta = torch.sigmoid(torch.randn(b, t, hv, dtype=torch.float32, device=dev))
+    s0 = 0.1 * torch.randn(b, hv, d, d, dtype=torch.float32, device=dev)
+    return q, k, v, g, beta, s0
+
+
+def section_fla_check():
+    """FLA computes the same function as our references (so the timings compare like with like)."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(7), 2, 300, 16, 32, 128)
+    tq = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda() for a in (q, k, v, g, beta, s0)]
+    tq[:3] = [a.to(torch.bfloat16) for a in tq[:3]]
+    o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
+    if not ARGS.chunk_pallas_only:
+        o, s = chunk_gated_delta_rule(*tq[:5], initial_state=tq[5], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+        add_check("FLA chunk vs reference: o", *rel_err(o.float().cpu().numpy(), o_r), 2e-2)
+        add_check("FLA chunk vs reference: state", *rel_err(s.float().cpu().numpy(), s_r), 2e-2)
+    o, s = fused_recurrent_gated_delta_rule(*(a[:, :5].contiguous() for a in tq[:5]), initial_state=tq[5],
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_r, s_r = naive_recurrent_gated_delta_rule(*(a[:, :5] for a in (q, k, v, g, beta)), initial_state=s0,
+                                                use_qk_l2norm_in_kernel=True)
+    add_check("FLA fused_recurrent vs reference: o", *rel_err(o.float().cpu().numpy(), o_r), 1e-2)
+    add_check("FLA fused_recurrent vs reference: state", *rel_err(s.float().cpu().numpy(), s_r), 1e-5)
+
+
+def gdn_bytes(b, t, hk, hv, d, steps, in_bytes=2):
+    io = b * t * (2 * hk * d + 2 * hv * d) * in_bytes + 2 * b * t * hv * 4  # q, k, v, o, g, beta
+    state = b * hv * d * d * 4
+    return io + state + (t if steps else 1) * state
+
+
+def section_recurrent():
+    sm = ARGS.smoke
+    hk, d = (2, 16) if sm else (16, 128)
+    fla, fla_decode = None, {}
+    if not sm and not ARGS.no_fla:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
+    for hv in ((2 * hk, 3 * hk) if not sm else (2 * hk,)):
+        for b in ((1, 8, 64) if not sm else (1, 2)):
+            for t in ((1, 5) if not sm else (1, 3)):
+                if out_of_time("recurrent"):
+                    return
+                steps = t > 1
+                shape = dict(b=b, t=t, hv=hv, steps=steps)
+                nbytes = gdn_bytes(b, t, hk, hv, d, steps)
+                q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(b + t), b, t, hk, hv, d)
+                kw = dict(use_qk_l2norm_in_kernel=True, output_step_states=steps)
+                ours = functools.partial(fused_recurrent_gated_delta_rule_triton, **kw, **impl_kw())
+                ref = functools.partial(naive_recurrent_gated_delta_rule, **kw)
+                impls = [("pallas", ours)]
+                if sm or (hv == 2 * hk and (b, t) in XLA_RECURRENT):
+                    impls.append(("xla", ref))
+                for name, fn in impls:
+                    sec = guarded(f"recurrent {name} {shape}", time_jax,
+                                  lambda q, k, v, g, beta, s0, fn=fn: fn(q, k, v, g, beta, initial_state=s0),
+                                  q, k, v, g, beta, s0, chain=chain_v, reps=5 if name == "xla" else None)
+                    if sec:
+                        record("gdn_recurrent", shape, name, sec, nbytes)
+                if fla is None:
+                    continue
+                sets = [fla_inputs(b, t, hk, hv, d) for _ in range(REPS)]
+
+                def fla_once(tq, tk, tv, tg, tb, ts0):
+                    return fla(tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+
+                res = guarded(f"recurrent fla {shape}", time_torch,
+                              [functools.partial(fla_once, *x) for x in sets])
+                if res:
+                    record("gdn_recurrent", shape, "fla", res[0], gdn_bytes(b, t, hk, hv, d, False), timer=res[1])
+                    if t == 1:
+                        fla_decode[hv, b] = res[0]
+                if steps and (hv, b) in fla_decode:
+                    # FLA has no per-step state output; getting one means one call per token (each reading and
+                    # writing the whole state): t x the measured T = 1 call. (Capturing that loop crashed FLA.)
+                    record("gdn_recurrent", shape, "fla_per_token_est", t * fla_decode[hv, b], nbytes)
+                del sets
+
+
+def chunk_flops(b, t, hk, hv, d, c=64):
+    n = math.ceil(t / c)
+    per_chunk = 2 * (4 * c * c * d + 4 * c * d * d)  # kk^T, qk^T, T.v, T.k; W.S, Q.S, K^T.V_new, Aqk.V_new (~c*c*d)
+    return b * hv * n * per_chunk
+
+
+def section_chunk(configs=None):
+    sm = ARGS.smoke
+    hk, d = (2, 16) if sm else (16, 128)
+    fla = None
+    if not sm and not ARGS.no_fla:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+    for hv in ((2 * hk, 3 * hk) if not sm else (2 * hk,)):
+        for t in ((4096, 16384) if not sm else (128,)):
+            if out_of_time("chunk"):
+                return
+            shape = dict(b=1, t=t, hv=hv)
+            nbytes = gdn_bytes(1, t, hk, hv, d, False)
+            flops = chunk_flops(1, t, hk, hv, d)
+            q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(t + hv), 1, t, hk, hv, d)
+            kw = dict(use_qk_l2norm_in_kernel=True)
+            impls = [("pallas", functools.partial(chunk_gated_delta_rule_triton, **kw, **impl_kw()))]
+            if not ARGS.chunk_pallas_only:
+                impls.append(("xla", functools.partial(naive_chunk_gated_delta_rule, **kw)))
+            for name, fn in impls:
+                sec = guarded(f"chunk {name} {shape}", time_jax,
+                              lambda q, k, v, g, beta, s0, fn=fn: fn(q, k, v, g, beta, initial_state=s0),
+                              q, k, v, g, beta, s0, chain=chain_v, reps=3 if name == "xla" else None)
+                if sec:
+                    record("gdn_chunk", shape, name, sec, nbytes, flops)
+            if fla is not None and not ARGS.chunk_pallas_only:
+                sets = [fla_inputs(1, t, hk, hv, d) for _ in range(4)]
+                res = guarded(f"chunk fla {shape}", time_torch,
+                              [functools.partial(lambda tq, tk, tv, tg, tb, ts0: fla(
+                                  tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True), *x) for x in sets])
+                if res:
+                    record("gdn_chunk", shape, "fla", res[0], nbytes, flops, timer=res[1])
+
+
+def attn_bytes(b, t, hq, hkv, d, n_valid):
+    return b * hkv * n_valid * d * 2 * 2 + 2 * b * t * hq * d * 2
+
+
+def section_attention():
+    sm = ARGS.smoke
+    d = 32 if sm else 256
+    heads = [(16, 2), (24, 2)] if not sm else [(4, 2)]
+    for hq, hkv in heads:
+        for s in ((4096, 32768) if not sm and hq == 24 else (32768,) if not sm else (128,)):
+            for b in ((1, 8, 32) if not sm else (1, 2)):
+                for t in (1, 5):
+                    if not sm and ((hq == 16 and (t == 5 or b == 32)) or (s == 4096 and b != 8)):
+                        continue
+                    if out_of_time("attention"):
+                        return
+                    shape = dict(b=b, t=t, hq=hq, hkv=hkv, ctx=s)
+                    pos = np.broadcast_to(s - t + np.arange(t), (b, t))
+                    args = attn_inputs(jax.random.key(b * s + t), b, t, hq, hkv, d, s, pos)
+                    nbytes = attn_bytes(b, t, hq, hkv, d, s)
+                    impls = [("pallas", functools.partial(cached_attention_triton, **impl_kw()))]
+                    if sm or (hq == 24 and (b, t) in XLA_ATTENTION):
+                        impls.append(("xla", attention_reference))
+                    for name, fn in impls:
+                        sec = guarded(f"attention {name} {shape}", time_jax, fn, *args, chain=chain_first,
+                                      reps=5 if name == "xla" else None)
+                        if sec:
+                            record("attention_decode", shape, name, sec, nbytes)
+    # prefill: the same op over a whole prompt (causal)
+    t = 4096 if not sm else 64
+    hq, hkv = heads[-1]
+    shape = dict(b=1, t=t, hq=hq, hkv=hkv, ctx=t)
+    args = attn_inputs(jax.random.key(3), 1, t, hq, hkv, d, t, np.arange(t)[None])
+    flops = 2 * 2 * hq * d * t * (t + 1) / 2
+    for name, fn in (("pallas", functools.partial(cached_attention_triton, **impl_kw())), ("xla", attention_reference)):
+        if out_of_time("attention prefill"):
+            return
+        sec = guarded(f"attention prefill {name}", time_jax, fn, *args, chain=chain_first, reps=3)
+        if sec:
+            record("attention_prefill", shape, name, sec, None, flops)
+
+
+def section_moe():
+    """jax.lax.ragged_dot in the MoE block (layers/mlp.py::grouped_experts) at decode token counts."""
+    from jaxmtp.layers.mlp import grouped_experts
+
+    sm = ARGS.smoke
+    e, kk, h, i = (256, 8, 2048, 512) if not sm else (16, 2, 64, 32)
+    gate_up = 0.02 * jax.random.normal(jax.random.key(1), (e, h, 2 * i), jnp.bfloat16)
+    down = 0.02 * jax.random.normal(jax.random.key(2), (e, i, h), jnp.bfloat16)
+    for n in ((1, 8, 64, 320) if not sm else (1, 8)):
+        if out_of_time("moe"):
+            return
+        x = jax.random.normal(jax.random.key(n), (n, h), jnp.bfloat16)
+        logits = jax.random.normal(jax.random.key(n + 1), (n, e), jnp.float32)
+        w, experts = jax.lax.top_k(jax.nn.softmax(logits), kk)
+        touched = len(np.unique(np.asarray(experts)))
+        nbytes = touched * (h * 2 * i + i * h) * 2
+        sec = guarded(f"moe n{n}", time_jax, grouped_experts, x, w.astype(jnp.bfloat16), experts, gate_up, down,
+                      chain=chain_first)
+        if sec:
+            record("moe_grouped_experts", dict(tokens=n, experts_touched=touched), "xla_ragged_dot", sec, nbytes,
+                   2 * n * kk * 3 * h * i)
+
+
+def section_sweep():
+    """Tile sizes of each kernel at a few shapes (the defaults come from here)."""
+    sm = ARGS.smoke
+    hk, d = (2, 16) if sm else (16, 128)
+    for b, t, hv in ([(64, 5, 48), (8, 5, 32), (1, 1, 32), (64, 1, 32)] if not sm else [(2, 3, 4)]):
+        q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(11), b, t, hk, hv, d)
+        steps = t > 1
+        for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
+            if out_of_time("sweep"):
+                return
+            if bv > d:
+                continue
+            fn = functools.partial(fused_recurrent_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True,
+                                   output_step_states=steps, block_v=bv, num_warps=nw, **impl_kw())
+            sec = guarded("sweep recurrent", time_jax, lambda *a, fn=fn: fn(*a[:5], initial_state=a[5]),
+                          q, k, v, g, beta, s0, chain=chain_v)
+            if sec:
+                record("sweep_gdn_recurrent", dict(b=b, t=t, hv=hv), f"bv{bv}_w{nw}", sec,
+                       gdn_bytes(b, t, hk, hv, d, steps))
+    t = 16384 if not sm else 128
+    q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(12), 1, t, hk, 2 * hk, d)
+    for bv, nw, nwp, ns in ((64, 4, 4, 2), (32, 4, 4, 2), (64, 8, 4, 2), (32, 2, 4, 2), (64, 4, 8, 2), (64, 4, 4, 3),
+                            (32, 4, 4, 3)):
+        if out_of_time("sweep"):
+            return
+        if bv > d:
+            continue
+        fn = functools.partial(chunk_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True, block_v=bv, num_warps=nw,
+                               num_warps_prep=nwp, num_stages=ns, **impl_kw())
+        sec = guarded("sweep chunk", time_jax, lambda *a, fn=fn: fn(*a[:5], initial_state=a[5]), q, k, v, g, beta, s0,
+                      chain=chain_v)
+        if sec:
+            record("sweep_gdn_chunk", dict(t=t, hv=2 * hk), f"bv{bv}_w{nw}_wp{nwp}_s{ns}", sec,
+                   gdn_bytes(1, t, hk, 2 * hk, d, False), chunk_flops(1, t, hk, 2 * hk, d))
+    dd = 32 if sm else 256
+    s = 32768 if not sm else 128
+    for b, t, hq in ([(1, 1, 16), (1, 5, 24), (8, 1, 16), (32, 5, 24)] if not sm else [(1, 1, 4)]):
+        hq = hq if not sm else 4
+        pos = np.broadcast_to(s - t + np.arange(t), (b, t))
+        args = attn_inputs(jax.random.key(13), b, t, hq, 2, dd, s, pos)
+        for bs, nw, ns, split_mul in ((64, 4, 3, 1), (32, 4, 3, 1), (64, 4, 2, 1), (128, 4, 2, 1), (64, 8, 3, 1),
+                                      (32, 2, 4, 1), (64, 4, 3, 2), (64, 4, 3, 0.5)):
+            if out_of_time("sweep"):
+                return
+            from jaxmtp.pallas.attention.decode_triton import plan
+
+            _, _, ns0 = plan(b, t, hq, 2, s)
+            n_split = max(1, min(int(ns0 * split_mul), s // bs))
+            fn = functools.partial(cached_attention_triton, block_kv=bs, num_warps=nw, num_stages=ns, n_split=n_split,
+                                   **impl_kw())
+            sec = guarded("sweep attention", time_jax, fn, *args, chain=chain_first)
+            if sec:
+                record("sweep_attention", dict(b=b, t=t, hq=hq, ctx=s), f"bs{bs}_w{nw}_s{ns}_split{n_split}", sec,
+                       attn_bytes(b, t, hq, 2, dd, s))
+
+
+def section_sweep_final():
+    """A few tile choices around the defaults, after the defaults were set from :func:`section_sweep`."""
+    sm = ARGS.smoke
+    hk, d = (2, 16) if sm else (16, 128)
+    for b, t, hv in ([(64, 1, 32), (64, 5, 48)] if not sm else [(2, 3, 4)]):
+        q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(21), b, t, hk, hv, d)
+        for bv, nw in ((8, 1), (16, 2), (32, 4), (64, 4)):
+            if out_of_time("sweep_final"):
+                return
+            if bv > d:
+                continue
+            fn = functools.partial(fused_recurrent_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True,
+                                   output_step_states=t > 1, block_v=bv, num_warps=nw, **impl_kw())
+            sec = guarded("sweep_final recurrent", time_jax, lambda *a, fn=fn: fn(*a[:5], initial_state=a[5]),
+                          q, k, v, g, beta, s0, chain=chain_v)
+            if sec:
+                record("sweep_gdn_recurrent", dict(b=b, t=t, hv=hv), f"bv{bv}_w{nw}", sec,
+                       gdn_bytes(b, t, hk, hv, d, t > 1))
+    dd, s = (32, 128) if sm else (256, 32768)
+    for b, t, hq in ([(1, 1, 16), (1, 5, 24)] if not sm else [(1, 1, 4)]):
+        pos = np.broadcast_to(s - t + np.arange(t), (b, t))
+        args = attn_inputs(jax.random.key(22), b, t, hq, 2, dd, s, pos)
+        for bs, nw, ns in ((64, 4, 3), (32, 4, 3), (64, 8, 3), (64, 4, 2)):
+            if out_of_time("sweep_final"):
+                return
+            fn = functools.partial(cached_attention_triton, block_kv=bs, num_warps=nw, num_stages=ns, **impl_kw())
+            sec = guarded("sweep_final attention", time_jax, fn, *args, chain=chain_first)
+            if sec:
+                record("sweep_attention", dict(b=b, t=t, hq=hq, ctx=s), f"bs{bs}_w{nw}_s{ns}_plan", sec,
+                       attn_bytes(b, t, hq, 2, dd, s))
+
+
+SECTIONS = {
+    "ceilings": section_ceilings, "check": section_check, "model": section_model, "fla_check": section_fla_check,
+    "recurrent": section_recurrent, "chunk": section_chunk, "attention": section_attention, "moe": section_moe,
+    "sweep": section_sweep, "sweep_final": section_sweep_final,
+}
+
+
+def print_table():
+    print("\n== checks ==")
+    for c in RESULTS["checks"]:
+        print(f"{'PASS' if c['pass'] else 'FAIL'} {c['check']}: rel_err {c['rel_err']:.2e} (tol {c['tol']})")
+    print("\n== timings (us; GB/s and % of the measured copy bandwidth; TFLOP/s and % of the bf16 matmul) ==")
+    print(f"copy {RESULTS.get('copy_GBps', 0):.0f} GB/s, matmul {RESULTS.get('matmul_TFLOPs', 0):.0f} TFLOP/s")
+    for r in RESULTS["rows"]:
+        shape = ",".join(f"{k}{v}" for k, v in r["shape"].items())
+        extra = ""
+        if "GB/s" in r:
+            extra += f" {r['GB/s']:7.0f} GB/s {r.get('%bw', 0):5.1f}%"
+        if "TFLOP/s" in r:
+            extra += f" {r['TFLOP/s']:6.1f} TF/s {r.get('%mm', 0):5.1f}%"
+        print(f"{r['op']:<22} {shape:<34} {r['impl']:<22} {r['us']:10.1f} us{extra}")
+    if RESULTS["errors"]:
+        print("\n== errors ==")
+        for e in RESULTS["errors"]:
+            print(e[:300])
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_kernels.json")
+    p.add_argument("--sections", default="ceilings,check,model,recurrent,chunk,attention,moe")
+    p.add_argument("--max-seconds", type=float, default=540.0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
+    p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
+    p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")
+    ARGS = p.parse_args()
+    sections = [s for s in ARGS.sections.split(",") if s]
+    if ARGS.smoke:
+        sections = [s for s in sections if s != "fla_check"]
+    RESULTS["env"] = {
+        "date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind, "command": " ".join(sys.argv), "reps": REPS, "iters": ITERS,
+    }
+    for mod in ("jaxlib", "triton", "torch", "fla"):
+        try:
+            RESULTS["env"][mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    print(json.dumps(RESULTS["env"]), flush=True)
+    for s in sections:
+        if out_of_time(s):
+            continue
+        t0 = time.time()
+        guarded(s, SECTIONS[s])
+        RESULTS.setdefault("section_seconds", {})[s] = time.time() - t0
+        with open(ARGS.out, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    print_table()
+
+
+if __name__ == "__main__":
+    main()

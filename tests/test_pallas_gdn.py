@@ -1,0 +1,140 @@
+"""Gated-delta-rule Pallas kernels (GPU Triton and TPU Mosaic variants, run by the Pallas interpreter) against the
+jnp references: random inputs, odd lengths, Hv/Hk = 1, 2, 3, right-padded rows, float32 and bf16.
+
+The interpreters fill output buffers with NaN before the kernel runs, so an element the kernel never writes fails
+the finiteness check.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp.pallas.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    naive_chunk_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+)
+
+IMPLS = ["triton_interpret", "mosaic_tpu_interpret"]
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative L2 error
+
+
+def make_inputs(rng, b, t, hk, r, dk, dv, dtype, pad_rows=(), init=True):
+    """Random GDN inputs; rows in ``pad_rows`` (row -> real length) are right-padded with g = beta = 0."""
+    hv = hk * r
+    q = rng.standard_normal((b, t, hk, dk))
+    k = rng.standard_normal((b, t, hk, dk))
+    v = rng.standard_normal((b, t, hv, dv))
+    g = -np.exp(rng.standard_normal((b, t, hv))) * 0.3
+    beta = 1 / (1 + np.exp(-rng.standard_normal((b, t, hv))))
+    for row, n in dict(pad_rows).items():
+        g[row, n:] = 0.0
+        beta[row, n:] = 0.0
+    s0 = rng.standard_normal((b, hv, dk, dv)) if init else None
+    cast = lambda a, dt: jnp.asarray(a, dt)  # noqa: E731
+    return ([cast(a, dtype) for a in (q, k, v)] + [cast(a, jnp.float32) for a in (g, beta)],
+            None if s0 is None else cast(s0, jnp.float32))
+
+
+def assert_close(got, want, tol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN) or non-finite output elements"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+RECURRENT_CASES = [
+    # (t, r, dtype, steps, init, final, pad_rows); dv = 64 so that BV = 32 gives two v-blocks
+    (1, 1, jnp.float32, False, True, True, ()),          # decode
+    (4, 2, jnp.float32, True, True, True, ()),           # verify, per-step states
+    (5, 3, jnp.bfloat16, True, True, True, ((1, 3),)),   # verify with a padded row
+    (3, 2, jnp.float32, False, False, False, ((0, 2),)),  # no initial state, no final state
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t,r,dtype,steps,init,final,pad_rows", RECURRENT_CASES)
+def test_fused_recurrent_matches_reference(rng, impl, t, r, dtype, steps, init, final, pad_rows):
+    (q, k, v, g, beta), s0 = make_inputs(rng, 2, t, 2, r, 16, 64, dtype, pad_rows, init)
+    kw = dict(initial_state=s0, output_final_state=final, use_qk_l2norm_in_kernel=True, output_step_states=steps)
+    o, s = fused_recurrent_gated_delta_rule(q, k, v, g, beta, implementation=impl, **kw)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+    assert_close(o, o_ref, TOL[dtype])
+    if s_ref is None:
+        assert s is None
+    else:
+        assert s.shape == s_ref.shape and s.dtype == jnp.float32
+        assert_close(s, s_ref, 1e-5)
+
+
+CHUNK_CASES = [
+    # (t, r, chunk, dtype, init, pad_rows)
+    (40, 1, 32, jnp.float32, True, ()),            # T not a multiple of the chunk
+    (77, 2, 64, jnp.bfloat16, False, ((1, 50),)),  # bf16, no initial state, rows of different lengths
+    (50, 3, 16, jnp.float32, True, ((0, 21),)),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t,r,chunk,dtype,init,pad_rows", CHUNK_CASES)
+def test_chunk_matches_reference(rng, impl, t, r, chunk, dtype, init, pad_rows):
+    (q, k, v, g, beta), s0 = make_inputs(rng, 2, t, 2, r, 32, 64 if chunk == 16 else 16, dtype, pad_rows, init)
+    kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, implementation=impl, **kw)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and s.dtype == jnp.float32
+    assert_close(o, o_ref, TOL[dtype])
+    assert_close(s, s_ref, TOL[dtype])
+    for row, n in dict(pad_rows).items():  # a padded row ends with the state of its last real token
+        _, s_row = naive_recurrent_gated_delta_rule(*(a[row : row + 1, :n] for a in (q, k, v, g, beta)),
+                                                    initial_state=None if s0 is None else s0[row : row + 1],
+                                                    use_qk_l2norm_in_kernel=True)
+        assert_close(s[row : row + 1], s_row, TOL[dtype])
+
+
+def test_chunk_without_final_state(rng):
+    (q, k, v, g, beta), s0 = make_inputs(rng, 1, 20, 1, 2, 16, 16, jnp.float32)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=False, chunk_size=16,
+                                  implementation="triton_interpret")
+    o_ref, _ = naive_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    assert s is None
+    assert_close(o, o_ref, TOL[jnp.float32])
+
+
+def test_unsupported_shapes_fall_back_to_reference(rng):
+    (q, k, v, g, beta), s0 = make_inputs(rng, 1, 3, 1, 1, 8, 6, jnp.float32)  # dk, dv not Triton tile sizes
+    o, s = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, implementation="triton_interpret")
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    (q, k, v, g, beta), s0 = make_inputs(rng, 1, 17, 1, 1, 16, 16, jnp.float32)  # longer than the unrolled kernels
+    o, s = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, implementation="triton_interpret")
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    with pytest.raises(ValueError):
+        fused_recurrent_gated_delta_rule(q, k, v, g, beta, implementation="nope")
+
+
+def _lower(fn, platform, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("impl,platform", [("triton", "cuda"), ("mosaic_tpu", "tpu")])
+def test_kernels_lower_at_model_shapes(impl, platform):
+    """The real-size kernels lower for their platform (Triton IR / Mosaic MLIR) without a device."""
+    b, hk, hv, d = 2, 16, 48, 128
+    sds = jax.ShapeDtypeStruct
+    qk = lambda t: sds((b, t, hk, d), jnp.bfloat16)  # noqa: E731
+    vv = lambda t: sds((b, t, hv, d), jnp.bfloat16)  # noqa: E731
+    gb = lambda t: sds((b, t, hv), jnp.float32)  # noqa: E731
+    s0 = sds((b, hv, d, d), jnp.float32)
+    rec = lambda *a: fused_recurrent_gated_delta_rule(  # noqa: E731
+        *a, use_qk_l2norm_in_kernel=True, output_step_states=True, implementation=impl)
+    chunk = lambda q, k, v, g, beta, s: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s,  # noqa: E731
+                                                               use_qk_l2norm_in_kernel=True, implementation=impl)
+    custom = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    for text in (_lower(rec, platform, qk(4), qk(4), vv(4), gb(4), gb(4)),
+                 _lower(chunk, platform, qk(200), qk(200), vv(200), gb(200), gb(200), s0)):
+        assert custom in text or "triton_kernel_call" in text
