@@ -1,0 +1,94 @@
+"""``python -m jaxmtp.client "prompt"``: stream a generation from a running ``python -m jaxmtp.serve``.
+
+    python -m jaxmtp.client "def fibonacci(n):" --max-tokens 64
+    python -m jaxmtp.client "import os" --temperature 0.8 --seed 1 --stop "\\n\\n" --port 50052
+    python -m jaxmtp.client --token-ids 1,2,3 --max-tokens 16      # models without a tokenizer
+    python -m jaxmtp.client --info                                  # model info, server stats, health
+
+The text streams to stdout as it is accepted; a summary (finish reason, usage, acceptance) goes to stderr. The
+Python API is :class:`jaxmtp.serving.client.Client`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxmtp.client",
+                                 description="Stream a generation from a jaxmtp gRPC server.")
+    ap.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    ap.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    ap.add_argument("--address", default=None, help="host:port (overrides --host/--port)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the server's default")
+    ap.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    ap.add_argument("--stop-token-id", type=int, action="append", default=None, help="stop token id (repeatable)")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--request-id", default=None)
+    ap.add_argument("--timeout", type=float, default=None, help="deadline of the request in seconds")
+    ap.add_argument("--wait", type=float, default=60.0,
+                    help="seconds to wait for the server to be SERVING first (0: do not wait)")
+    ap.add_argument("--info", action="store_true", help="print model info, server stats and health as JSON, exit")
+    ap.add_argument("--no-echo", action="store_true", help="do not print the prompt before the output")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxmtp.serving.client import Client, GenerationError
+
+    address = args.address or (f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}")
+    with Client(address) as client:
+        try:
+            if args.wait > 0:
+                client.wait_ready(timeout=args.wait)
+            if args.info:
+                print(json.dumps({"model": client.model_info(), "stats": client.stats(), "health": client.health()},
+                                 indent=1))
+                return 0
+            if args.token_ids is not None:
+                prompt = [int(t) for t in args.token_ids.replace(" ", "").split(",") if t]
+            elif args.prompt is not None:
+                prompt = args.prompt
+            else:
+                print("error: give a prompt (or --token-ids, or --info)", file=sys.stderr)
+                return 2
+            t0 = time.perf_counter()
+            stream = client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                                   stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                                   request_id=args.request_id, timeout=args.timeout)
+            if isinstance(prompt, str) and not args.no_echo:
+                sys.stdout.write(prompt)
+            try:
+                for chunk in stream:
+                    sys.stdout.write(chunk.text if chunk.text or isinstance(prompt, str)
+                                     else " ".join(map(str, chunk.token_ids)) + " ")
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                stream.cancel()
+                print("\n[cancelled]", file=sys.stderr)
+                return 130
+        except GenerationError as e:
+            print(f"\nerror: {e.code.name}: {e.message}", file=sys.stderr)
+            return 1
+    c = stream.completion
+    wall = time.perf_counter() - t0
+    print(f"\n\n[{c.completion_tokens} tokens, finish={c.finish_reason}, prompt {c.prompt_tokens} tokens, "
+          f"seed {c.seed}, k={c.spec['k']}, mean acceptance length {c.spec['mean_acceptance_length']:.2f}, "
+          f"acceptance per position {[round(a, 2) for a in c.spec['acceptance_per_position']]}, "
+          f"TTFT {c.time_to_first_token * 1e3:.0f} ms, {c.completion_tokens / wall:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""A Python client for ``python -m jaxmtp.serve``.
+
+::
+
+    from jaxmtp.serving.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        client.wait_ready(timeout=120)                        # health SERVING (the server warms up first)
+        out = client.generate("def fibonacci(n):", max_tokens=64, temperature=0.7, seed=1)
+        print(out.text, out.finish_reason, out.completion_tokens, out.spec["mean_acceptance_length"])
+
+        stream = client.stream("import os", max_tokens=64, stop=["\\n\\n"])
+        for chunk in stream:                                  # Chunk(token_ids=[...], text="...")
+            print(chunk.text, end="", flush=True)
+        print(stream.completion.finish_reason)                # the Completion, once the stream ended
+
+        client.abort("my-request-id")                         # ends that stream with finish_reason "abort"
+        client.model_info(); client.stats(); client.health()  # dicts / "SERVING"
+
+Failures raise :class:`GenerationError` with the gRPC status ``code`` (``grpc.StatusCode``) and the server's message.
+The client is thread-safe (one channel, any number of concurrent calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import grpc
+
+from jaxmtp.serving import protocol as pb
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+class GenerationError(Exception):
+    """A failed call: ``code`` is a ``grpc.StatusCode``, ``message`` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str | None = None):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message, self.request_id = code, message, request_id
+
+
+@dataclasses.dataclass
+class Chunk:
+    """New output of a stream: token ids (several per verify step) and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request. ``spec``: k, steps, drafted, accepted, accepted_per_position, acceptance_per_position,
+    mean_acceptance_length. ``text`` is "" for models without a tokenizer."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int
+    spec: dict
+    time_to_first_token: float  # server-side, seconds
+    elapsed: float  # server-side, seconds
+
+
+def spec_dict(spec) -> dict:
+    """A ``SpecStats`` message as a dict, with ``k`` for ``num_draft_tokens`` (as ``jaxmtp.generate``'s stats)."""
+    d = pb.to_dict(spec)
+    d["k"] = d.pop("num_draft_tokens")
+    return d
+
+
+def _status_of(err: grpc.RpcError) -> GenerationError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return GenerationError(code, details or "")
+
+
+def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messages: Sequence[dict] | None = None,
+                  max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
+                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                  num_draft_tokens: int | None = None, request_id: str | None = None, model: str = ""):
+    """A ``GenerateRequest`` from keyword arguments (exactly one of ``prompt`` (text), ``token_ids``, ``messages``;
+    a list of ints passed as ``prompt`` counts as token ids)."""
+    if prompt is not None and not isinstance(prompt, str):
+        if token_ids is not None:
+            raise ValueError("give the prompt either as prompt or as token_ids, not both")
+        token_ids, prompt = prompt, None
+    given = [x is not None for x in (prompt, token_ids, messages)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt (text), token_ids or messages")
+    sp = pb.SamplingParams(top_k=top_k, ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    if temperature is not None:
+        sp.temperature = temperature
+    if top_p is not None:
+        sp.top_p = top_p
+    if seed is not None:
+        sp.seed = seed
+    if stop:
+        sp.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    if stop_token_ids:
+        sp.stop_token_ids.extend(int(t) for t in stop_token_ids)
+    req = pb.GenerateRequest(request_id=request_id or "", model=model, sampling=sp)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in token_ids)
+    else:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    if num_draft_tokens is not None:
+        req.num_draft_tokens = num_draft_tokens
+    return req
+
+
+class Stream:
+    """An in-progress ``Generate`` call: iterate for :class:`Chunk` s; ``completion`` is set once it ended;
+    ``cancel()`` hangs up (the server aborts the request and frees its slot)."""
+
+    def __init__(self, call, request_id: str | None):
+        self._call = call
+        self.request_id = request_id
+        self.completion: Completion | None = None
+        self._ids: list[int] = []
+        self._text: list[str] = []
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for msg in self._call:
+                kind = msg.WhichOneof("response")
+                self.request_id = msg.request_id or self.request_id
+                if kind == "chunk":
+                    ids = list(msg.chunk.token_ids)
+                    self._ids += ids
+                    self._text.append(msg.chunk.text)
+                    yield Chunk(ids, msg.chunk.text)
+                elif kind == "complete":
+                    c = msg.complete
+                    spec = spec_dict(c.spec)
+                    self.completion = Completion(
+                        request_id=self.request_id, text="".join(self._text), token_ids=list(self._ids),
+                        finish_reason=pb.finish_reason_name(c.finish_reason), prompt_tokens=c.usage.prompt_tokens,
+                        completion_tokens=c.usage.completion_tokens, seed=c.seed, spec=spec,
+                        time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s)
+                elif kind == "error":
+                    raise GenerationError(grpc.StatusCode(_code_tuple(msg.error.code)), msg.error.message,
+                                          self.request_id)
+        except grpc.RpcError as e:
+            err = _status_of(e)
+            err.request_id = self.request_id
+            raise err from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def _code_tuple(number: int):
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code.value
+    return grpc.StatusCode.UNKNOWN.value
+
+
+class Client:
+    """A blocking client of one server. ``address`` is ``host:port``; ``timeout`` (seconds) is the default
+    deadline of every call (None: no deadline)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._own = channel is None
+        self.channel = channel or grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self._gen = pb.GenerationStub(self.channel)
+        self._health = pb.HealthStub(self.channel)
+
+    def close(self) -> None:
+        if self._own:
+            self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timeout(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def stream(self, prompt=None, *, timeout: float | None = None, wait_for_ready: bool = False, **kw) -> Stream:
+        """Start a streamed generation; see :func:`build_request` for the arguments. Returns a :class:`Stream`."""
+        req = build_request(prompt, **kw)
+        call = self._gen.Generate(req, timeout=self._timeout(timeout), wait_for_ready=wait_for_ready)
+        return Stream(call, req.request_id or None)
+
+    def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> Completion:
+        """Generate to the end and return the :class:`Completion` (text, token ids, finish reason, usage, spec)."""
+        s = self.stream(prompt, timeout=timeout, **kw)
+        for _ in s:
+            pass
+        if s.completion is None:
+            raise GenerationError(grpc.StatusCode.INTERNAL, "the stream ended without a complete message",
+                                  s.request_id)
+        return s.completion
+
+    def abort(self, *request_ids: str, timeout: float | None = None) -> list[str]:
+        """Abort requests by id; returns the ids that were still in flight."""
+        try:
+            r = self._gen.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise _status_of(e) from None
+        return list(r.aborted_ids)
+
+    # ---- information --------------------------------------------------------------------------------------------
+    def model_info(self, timeout: float | None = None) -> dict:
+        try:
+            return pb.to_dict(self._gen.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout)))
+        except grpc.RpcError as e:
+            raise _status_of(e) from None
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """Server counters: requests (total/active/running/queued/finished by reason/rejected by code), tokens,
+        engine iterations and steps, aggregated speculation stats (``spec``), uptime."""
+        try:
+            msg = self._gen.GetServerStats(pb.GetServerStatsRequest(), timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise _status_of(e) from None
+        d = pb.to_dict(msg)
+        d["spec"] = spec_dict(msg.spec)
+        return d
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """"SERVING" or "NOT_SERVING" (raises GenerationError NOT_FOUND for an unknown service)."""
+        try:
+            r = self._health.Check(pb.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise _status_of(e) from None
+        return pb.health_status_name(r.status)
+
+    def wait_ready(self, timeout: float = 300.0, service: str = "") -> None:
+        """Block until the server reports SERVING (waits for it to come up and warm up); GenerationError
+        DEADLINE_EXCEEDED after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise GenerationError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"the server at {self.address} was not SERVING within {timeout} s")
+            call = self._health.Watch(pb.HealthCheckRequest(service=service), timeout=left, wait_for_ready=True)
+            try:
+                for r in call:
+                    if r.status == pb.SERVING:
+                        call.cancel()
+                        return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the loop raises with a clear message
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _status_of(e) from None
+                # the server went away between connecting and answering: wait for it again
+                time.sleep(min(0.2, max(left, 0)))
+
+
+__all__ = ["Chunk", "Client", "Completion", "GenerationError", "Stream", "build_request"]

@@ -1,0 +1,47 @@
+"""Random-weight models of real Qwen3.5 shapes, for serving benchmarks without a checkpoint.
+
+``random_model("qwen3.5-0.8b")`` has the Qwen3.5-0.8B architecture (hidden 1024, 24 layers at 3 Gated DeltaNet :
+1 gated attention, 8/2 attention heads of 256, 16/16 GDN heads of 128, MLP 3584, vocabulary 248320, tied embeddings,
+one MTP layer) with ``jaxmtp.model.init_params`` weights and no tokenizer (prompts are token ids). Its MTP head is
+random too, so drafts are almost never accepted: speculation costs are measured, its gains are not. ``"tiny"`` is a
+small model of the same layout for CPU smoke tests of the benchmark path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.config import FULL, LINEAR, Qwen35Config
+from jaxmtp.loading import Model
+from jaxmtp.model import init_params
+from jaxmtp.pallas import resolve_backend
+
+PRESETS = {
+    "qwen3.5-0.8b": dict(vocab_size=248_320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, intermediate_size=3584, linear_num_key_heads=16,
+                         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                         tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+}
+
+
+def random_config(name: str) -> Qwen35Config:
+    if name not in PRESETS:
+        raise ValueError(f"unknown random model {name!r}; choose one of {sorted(PRESETS)}")
+    kw = dict(PRESETS[name])
+    n = kw["num_hidden_layers"]
+    return Qwen35Config(family="qwen3_5", layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
+                        rope_theta=10_000_000.0, partial_rotary_factor=0.25, mtp_num_hidden_layers=1,
+                        eos_token_ids=(), **kw)
+
+
+def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto") -> Model:
+    """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id)."""
+    cfg = random_config(name)
+    dtype = jnp.dtype(dtype)
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
+    return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
+                 backend=resolve_backend(backend))

@@ -1,0 +1,303 @@
+"""Load test of ``python -m jaxmtp.serve``: throughput and latency percentiles at several concurrency levels.
+
+    # CPU, the embedded default model (the script starts the server itself and stops it at the end):
+    python scripts/bench_serve.py --json runs/bench_serve_cpu.json
+
+    # GPU, random weights of Qwen3.5-0.8B shapes (token-id prompts), 32 slots; the compilation cache makes a second
+    # run (or a retry after a time-out during the warm-up) skip the compiles:
+    python scripts/bench_serve.py --random-model qwen3.5-0.8b --slots 32 --prompt-tokens 256 --max-tokens 256 \\
+        --server-arg=--max-prefill-batch=4 --server-arg=--compilation-cache-dir=runs/jax_cache \\
+        --label "H100" --json runs/bench_serve_h100.json
+
+    # Any running server:
+    python scripts/bench_serve.py --address 127.0.0.1:50051
+
+At each concurrency level C (default 1, 8, 32), C asynchronous clients send ``--requests`` requests in total (default
+4 x C), each client one request at a time. Per request: TTFT (send to the first chunk with tokens), TPOT ((last chunk
+- first chunk) / (output tokens - 1), as vLLM's benchmark; left out for a request whose tokens all came in one chunk),
+latency (send to the final message). Per level: p50/p90/p99/mean of each, output tokens per second over the level's
+wall time, requests per second, and the server's speculation counters over the level (mean acceptance length,
+acceptance per draft position). ``ignore_eos`` is on by default so that every request produces exactly
+``--max-tokens`` tokens. The started server's logs (configuration, memory plan, warm-up time) go to stderr.
+
+Prompts: token ids drawn uniformly from the vocabulary (``--prompt-source random``, the default for models without a
+tokenizer), or windows of Python standard-library source (``text``, the default otherwise: the default model was
+trained on it) cut to ``--prompt-chars`` characters (default 4 x ``--prompt-tokens``); the JSON reports the prompt
+tokens the server counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    g = ap.add_argument_group("target (default: start `python -m jaxmtp.serve` with the embedded default model)")
+    g.add_argument("--address", default=None, help="benchmark a running server at host:port")
+    g.add_argument("--model", default=None, help="checkpoint directory for the server this script starts")
+    g.add_argument("--random-model", default=None, help="random weights of a preset (qwen3.5-0.8b, tiny)")
+    g.add_argument("--slots", type=int, default=32)
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=None)
+    g.add_argument("--max-context", type=int, default=None, help="default: enough for prompt + output")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--steps-per-sync", type=int, default=None)
+    g.add_argument("--prefill-chunk", type=int, default=None)
+    g.add_argument("--server-arg", action="append", default=[], help="extra flag for the server (repeatable)")
+    g.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for SERVING")
+    g = ap.add_argument_group("load")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    g.add_argument("--requests", type=int, default=None, help="requests per level (default 4 x concurrency)")
+    g.add_argument("--prompt-tokens", type=int, default=128)
+    g.add_argument("--prompt-chars", type=int, default=None, help="text prompts: characters (default 4 x tokens)")
+    g.add_argument("--prompt-source", choices=["auto", "random", "text"], default="auto")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    g.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before the first level")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline per request, seconds")
+    g = ap.add_argument_group("output")
+    g.add_argument("--json", default=None, help="write the results here")
+    g.add_argument("--label", default=None, help="free text stored in the JSON (e.g. the machine)")
+    return ap.parse_args(argv)
+
+
+# ---- the server --------------------------------------------------------------------------------------------------
+class StartedServer:
+    def __init__(self, args):
+        cmd = [sys.executable, "-m", "jaxmtp.serve", "--port", "0", "--slots", str(args.slots),
+               "--dtype", args.dtype, "--max-queue", str(max(1024, 4 * max(args.concurrency)))]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.random_model:
+            cmd += ["--random-model", args.random_model]
+        if args.num_draft_tokens is not None:
+            cmd += ["-k", str(args.num_draft_tokens)]
+        max_context = args.max_context
+        if max_context is None:  # room for the prompt (text prompts may take more tokens than characters / 4)
+            prompt = args.prompt_tokens if args.prompt_source == "random" else (
+                args.prompt_chars or 4 * args.prompt_tokens)
+            max_context = 1 << (prompt + args.max_tokens + 16).bit_length()
+        cmd += ["--max-context", str(max_context), "--max-new-tokens-limit", str(args.max_tokens)]
+        if args.steps_per_sync is not None:
+            cmd += ["--steps-per-sync", str(args.steps_per_sync)]
+        if args.prefill_chunk is not None:
+            cmd += ["--prefill-chunk", str(args.prefill_chunk)]
+        cmd += args.server_arg
+        self.cmd = cmd
+        print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        if not line.startswith("jaxmtp.serve listening on "):
+            self.proc.wait(30)
+            raise SystemExit(f"the server did not start (exit code {self.proc.returncode}): {line!r}")
+        self.address = line.split()[-1]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------------
+def make_prompts(args, info, n):
+    rng = np.random.default_rng(args.seed)
+    source = args.prompt_source
+    if source == "auto":
+        source = "text" if info["has_tokenizer"] else "random"
+    if source == "text" and not info["has_tokenizer"]:
+        raise SystemExit("--prompt-source text needs a model with a tokenizer")
+    if source == "random":
+        hi = min(info["vocab_size"], 2**31 - 1)
+        eos = set(info["eos_token_ids"])
+        out = []
+        for _ in range(n):
+            ids = rng.integers(0, hi, args.prompt_tokens)
+            out.append([int(t) if int(t) not in eos else 0 for t in ids])
+        return source, out
+    chars = args.prompt_chars or 4 * args.prompt_tokens
+    lib = os.path.dirname(os.__file__)
+    files = sorted(f for f in glob.glob(os.path.join(lib, "*.py")) if os.path.getsize(f) > 4 * chars)
+    out = []
+    while len(out) < n:
+        with open(files[int(rng.integers(len(files)))], encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        start = int(rng.integers(0, len(text) - chars))
+        start = text.rfind("\n", 0, start) + 1
+        out.append(text[start : start + chars])
+    return source, out
+
+
+# ---- one level -----------------------------------------------------------------------------------------------------
+async def one_request(stub, pb, prompt, args, timeout):
+    from jaxmtp.serving.client import build_request
+
+    req = build_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                        ignore_eos=not args.no_ignore_eos, seed=args.seed)
+    t0 = time.perf_counter()
+    first = last = None
+    n = chunks = 0
+    done = None
+    async for msg in stub.Generate(req, timeout=timeout):
+        kind = msg.WhichOneof("response")
+        if kind == "chunk" and msg.chunk.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            n += len(msg.chunk.token_ids)
+            chunks += 1
+        elif kind == "complete":
+            done = msg.complete
+        elif kind == "error":
+            raise RuntimeError(f"{msg.error.code_name}: {msg.error.message}")
+    end = time.perf_counter()
+    if done is None:
+        raise RuntimeError("no complete message")
+    return {"ttft": (first - t0) if first else None, "tpot": ((last - first) / (n - 1)) if chunks > 1 else None,
+            "latency": end - t0, "tokens": n, "prompt_tokens": done.usage.prompt_tokens}
+
+
+async def run_level(address, pb, prompts, concurrency, total, args):
+    import grpc
+
+    results, errors = [], []
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                           ("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = pb.GenerationStub(ch)
+        counter = iter(range(total))
+
+        async def worker():
+            for i in counter:
+                try:
+                    results.append(await one_request(stub, pb, prompts[i % len(prompts)], args, args.timeout))
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    errors.append(repr(e))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return results, errors, wall
+
+
+def pct(values, scale=1e3):
+    v = np.asarray([x for x in values if x is not None], np.float64) * scale
+    if v.size == 0:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    return {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99)), "mean": float(v.mean())}
+
+
+def spec_delta(before, after):
+    steps = after["steps"] - before["steps"]
+    acc = after["accepted"] - before["accepted"]
+    per = [(a - b) / steps if steps else 0.0
+           for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+    return {"k": after["k"], "request_verify_steps": steps, "accepted": acc,  # summed over requests
+            "mean_acceptance_length": (steps + acc) / steps if steps else 0.0, "acceptance_per_position": per}
+
+
+def table(levels):
+    head = (f"{'conc':>4} {'reqs':>5} {'err':>3} {'tok/s':>8} {'req/s':>6} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
+            f"| {'TPOT p50':>8} {'p90':>7} {'p99':>7} | {'lat p50':>8} {'p99':>8} | {'AL':>4}")
+    rows = [head, "-" * len(head)]
+    f = lambda x: f"{x:7.1f}" if x is not None else "      -"  # noqa: E731
+    for lv in levels:
+        rows.append(f"{lv['concurrency']:>4} {lv['requests']:>5} {lv['errors']:>3} {lv['output_tokens_per_s']:8.1f} "
+                    f"{lv['requests_per_s']:6.2f} | {f(lv['ttft_ms']['p50']):>8} {f(lv['ttft_ms']['p90'])} "
+                    f"{f(lv['ttft_ms']['p99'])} | {f(lv['tpot_ms']['p50']):>8} {f(lv['tpot_ms']['p90'])} "
+                    f"{f(lv['tpot_ms']['p99'])} | {f(lv['latency_ms']['p50']):>8} {f(lv['latency_ms']['p99']):>8} "
+                    f"| {lv['spec']['mean_acceptance_length']:4.2f}")
+    return "\n".join(rows) + "\n(ms; tok/s = output tokens per second over the level; AL = mean acceptance length)"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.address and (args.model or args.random_model):
+        raise SystemExit("give either --address or a model to start, not both")
+    if args.prompt_source == "auto" and args.random_model:
+        args.prompt_source = "random"
+    from jaxmtp.serving import protocol as pb
+    from jaxmtp.serving.client import Client
+
+    server = None if args.address else StartedServer(args)
+    address = args.address or server.address
+    try:
+        with Client(address, timeout=120) as c:
+            c.wait_ready(timeout=args.startup_timeout)
+            info = c.model_info()
+            n_prompts = max(args.requests or 0, 4 * max(args.concurrency), args.warmup_requests)
+            source, prompts = make_prompts(args, info, n_prompts)
+            print(f"model {info['model_name']} ({info['num_parameters'] / 1e9:.3g} B, {info['dtype']}, "
+                  f"{info['backend']}), {info['num_slots']} slots, k={info['num_draft_tokens']}, "
+                  f"context {info['max_context']}; prompts: {source}", file=sys.stderr, flush=True)
+            if args.warmup_requests:
+                asyncio.run(run_level(address, pb, prompts, min(args.warmup_requests, info["num_slots"]),
+                                      args.warmup_requests, args))
+            levels = []
+            for conc in args.concurrency:
+                total = args.requests or 4 * conc
+                before = c.stats()
+                results, errors, wall = asyncio.run(run_level(address, pb, prompts, conc, total, args))
+                after = c.stats()
+                toks = sum(r["tokens"] for r in results)
+                lv = {
+                    "concurrency": conc, "requests": len(results), "errors": len(errors), "wall_s": wall,
+                    "output_tokens": toks, "output_tokens_per_s": toks / wall if wall else 0.0,
+                    "requests_per_s": len(results) / wall if wall else 0.0,
+                    "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in results])) if results else 0,
+                    "ttft_ms": pct(r["ttft"] for r in results), "tpot_ms": pct(r["tpot"] for r in results),
+                    "latency_ms": pct(r["latency"] for r in results),
+                    "engine_steps": after["engine_steps"] - before["engine_steps"],
+                    "spec": spec_delta(before["spec"], after["spec"]),
+                    "first_errors": errors[:3],
+                }
+                levels.append(lv)
+                print(f"concurrency {conc}: {len(results)} requests, {lv['output_tokens_per_s']:.1f} tok/s, "
+                      f"TTFT p50 {lv['ttft_ms']['p50'] or 0:.1f} ms, TPOT p50 {lv['tpot_ms']['p50'] or 0:.2f} ms"
+                      + (f", {len(errors)} errors: {errors[:1]}" if errors else ""), file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([os.path.relpath(sys.argv[0]) if argv is None else "scripts/bench_serve.py"]
+                            + (sys.argv[1:] if argv is None else list(argv))),
+        "server_command": server.cmd if server is not None else None,
+        "label": args.label,
+        "address": address,
+        "model": info,
+        "load": {"prompt_source": source, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                 "temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},
+        "levels": levels,
+    }
+    print(table(levels))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if any(lv["errors"] for lv in levels) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
