@@ -1,14 +1,37 @@
-"""jaxmtp: a JAX/Pallas inference engine for Qwen3.5 models with their MTP head as a speculative drafter."""
+"""jaxmtp: a JAX/Pallas inference engine for Qwen3.5 models with their MTP head as a speculative drafter.
 
-from jaxmtp.config import ConfigError, Qwen35Config
-from jaxmtp.engine import Engine, EngineConfigError, memory_plan
-from jaxmtp.generation import GenerationResult, StreamChunk, generate, generate_stream
-from jaxmtp.loading import Model, load
-from jaxmtp.sampling import SamplingParams
+The public names are imported lazily, so ``import jaxmtp`` (and ``python -m jaxmtp.client``) does not load JAX.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError", "Engine", "EngineConfigError", "GenerationResult", "Model", "Qwen35Config", "SamplingParams",
-    "StreamChunk", "generate", "generate_stream", "load", "memory_plan", "__version__",
-]
+_EXPORTS = {
+    "ConfigError": "jaxmtp.config",
+    "Qwen35Config": "jaxmtp.config",
+    "Engine": "jaxmtp.engine",
+    "EngineConfigError": "jaxmtp.engine",
+    "memory_plan": "jaxmtp.engine",
+    "GenerationResult": "jaxmtp.generation",
+    "StreamChunk": "jaxmtp.generation",
+    "generate": "jaxmtp.generation",
+    "generate_stream": "jaxmtp.generation",
+    "Model": "jaxmtp.loading",
+    "load": "jaxmtp.loading",
+    "SamplingParams": "jaxmtp.sampling",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxmtp' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

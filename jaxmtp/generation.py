@@ -194,8 +194,8 @@ def generate(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: 
              max_context: int | None = None, steps_per_sync: int = 8):
     """Generate for one prompt (returns a :class:`GenerationResult`) or a batch (returns a list).
 
-    ``num_draft_tokens`` is k, the MTP draft tokens verified per step (0 = plain decoding; None = 3 when the
-    checkpoint has an MTP head). Greedy output (temperature 0) is token-for-token the same for every k; a seeded
+    ``num_draft_tokens`` is k, the MTP draft tokens verified per step (0 = plain decoding; None = the engine's
+    default for the model and slot count, see :mod:`jaxmtp.engine.policy`). Greedy output (temperature 0) is token-for-token the same for every k; a seeded
     sampled output is the same for every k and batch composition. With a batch, prompt i uses seed + i.
     """
     model, engine, prompt_ids, rids, batched = _prepare(

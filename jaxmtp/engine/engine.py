@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxmtp.engine import device
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
+from jaxmtp.engine.policy import default_num_draft_tokens
 from jaxmtp.engine.text import IncrementalDetokenizer, find_stop, held_back
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
@@ -77,6 +78,7 @@ class RequestOutput:
     stats: SpecStats | None = None
     time_to_first_token: float | None = None
     elapsed: float | None = None
+    queue_time: float | None = None  # arrival to admission into a slot
 
 
 @dataclasses.dataclass
@@ -87,6 +89,7 @@ class _Request:
     arrival: float
     detok: IncrementalDetokenizer | None = None
     slot: int = -1
+    admitted: float | None = None
     prefilled: int = 0  # prompt tokens already run through the target
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
@@ -104,8 +107,9 @@ class Engine:
         model: a loaded :class:`jaxmtp.Model`.
         num_slots: concurrent requests held on the device.
         max_context: most tokens (prompt + output) per request; default min(8192, the model's maximum).
-        num_draft_tokens: k; None picks 3 when the checkpoint has an MTP head, else 0 (plain decoding).
-        prefill_chunk: largest prompt chunk per prefill call (shorter ones use power-of-two buckets from 16).
+        num_draft_tokens: k; None picks :func:`jaxmtp.engine.policy.default_num_draft_tokens` (3 for dense models
+            with an MTP head up to 64 slots; less for MoE models at larger slot counts; 0 without an MTP head).
+        prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...).
         steps_per_sync: speculative steps per device loop before the host reads tokens.
         max_prefill_batch: prompts prefilled together in one call.
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.device.Oracle` drafts with this
@@ -117,7 +121,7 @@ class Engine:
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None):
         cfg = model.config
         if num_draft_tokens is None:
-            num_draft_tokens = 3 if cfg.has_mtp else 0
+            num_draft_tokens = default_num_draft_tokens(cfg, num_slots)
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
             raise EngineConfigError(f"num_draft_tokens must be a non-negative integer, got {num_draft_tokens!r}")
         if num_draft_tokens > 0 and not cfg.has_mtp:
@@ -132,6 +136,8 @@ class Engine:
             )
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        if max_prefill_batch is not None and max_prefill_batch < 1:
+            raise EngineConfigError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
         self.model = model
         self.cfg = cfg
         self.k = num_draft_tokens
@@ -200,6 +206,7 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        stop_id_row(params, self.eos_ids)  # raises if stop ids + EOS ids exceed what a slot holds
         return prompt
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
@@ -245,10 +252,13 @@ class Engine:
 
     # ---- one scheduling iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling iteration. An iteration that completes a prompt returns right after the prefill, so the
+        first token is not held back by a decode loop (the next iteration decodes)."""
         outputs: dict[str, RequestOutput] = {}
         self._handle_aborts(outputs)
         self._admit_queued()
-        self._prefill_once(outputs)
+        if self._prefill_once(outputs):
+            return list(outputs.values())
         if any(r is not None and r.prefilled == r.prompt.size and not r.done for r in self._slots):
             self._decode(outputs)
         return list(outputs.values())
@@ -287,6 +297,7 @@ class Engine:
             while free and self._queue:
                 req = self._queue.popleft()
                 req.slot = free.pop(0)
+                req.admitted = time.perf_counter()
                 self._slots[req.slot] = req
                 new.append(req)
         if not new:
@@ -313,11 +324,14 @@ class Engine:
                     row[: min(cap, r.oracle.size)] = r.oracle[:cap]
                 self.state = self._set_oracle(self.state, r.slot, jnp.asarray(row))
 
-    def _prefill_once(self, outputs):
+    def _prefill_once(self, outputs) -> bool:
+        """One chunk for every prefilling request; True if some prompt finished (its first token is out)."""
         pending = [r for r in self._slots if r is not None and r.prefilled < r.prompt.size and not r.done]
+        completed = False
         for group_start in range(0, len(pending), self.max_prefill_batch):
             group = pending[group_start : group_start + self.max_prefill_batch]
-            self._prefill_group(group, outputs)
+            completed |= self._prefill_group(group, outputs)
+        return completed
 
     def _bucket(self, n: int, lo: int, hi: int) -> int:
         b = lo
@@ -325,10 +339,16 @@ class Engine:
             b *= 2
         return min(b, hi)
 
+    def _chunk_bucket(self, n: int) -> int:
+        """Prompt chunk lengths: 16, 64, 256, ... (x4) capped at prefill_chunk: few compiled shapes."""
+        b = 16
+        while b < n and b < self.prefill_chunk:
+            b *= 4
+        return min(b, self.prefill_chunk)
+
     def _prefill_group(self, group, outputs):
         rows = self._bucket(len(group), 1, self.max_prefill_batch)
-        chunk = self._bucket(max(min(self.prefill_chunk, r.prompt.size - r.prefilled) for r in group), 16,
-                             self.prefill_chunk)
+        chunk = self._chunk_bucket(max(min(self.prefill_chunk, r.prompt.size - r.prefilled) for r in group))
         slots = np.full((rows,), self.num_slots, np.int32)
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
@@ -347,7 +367,7 @@ class Engine:
         self.state, first, finished, reason = self._prefill(
             self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
         if not final.any():
-            return
+            return False
         first, finished, reason = np.asarray(first), np.asarray(finished), np.asarray(reason)
         now = time.perf_counter()
         done_slots = []
@@ -361,6 +381,7 @@ class Engine:
             if r.done:
                 done_slots.append(r.slot)
         self._free(done_slots)
+        return True
 
     def _decode(self, outputs):
         self.state, out = self._run(self.model.params, self.state)
@@ -425,6 +446,7 @@ class Engine:
         o.stats = req.stats
         o.time_to_first_token = (req.first_token_time - req.arrival) if req.first_token_time else None
         o.elapsed = now - req.arrival
+        o.queue_time = (req.admitted if req.admitted is not None else now) - req.arrival
         with self._lock:
             self._by_id.pop(req.id, None)
 
@@ -442,10 +464,10 @@ class Engine:
                                                jnp.zeros((rows,), bool))
                 if chunk >= self.prefill_chunk:
                     break
-                chunk *= 2
+                chunk = self._chunk_bucket(chunk + 1)
             if rows >= self.max_prefill_batch:
                 break
-            rows = min(rows * 2, self.max_prefill_batch)
+            rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
         self.state, out = self._run(self.model.params, self.state)
         jax.block_until_ready(out)
         ids = jnp.full((self.num_slots,), self.num_slots, jnp.int32)

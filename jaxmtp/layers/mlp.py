@@ -30,9 +30,30 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool):
 def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array):
     """Routed expert output, computing each expert only on the tokens routed to it.
 
-    x: [N, H]; weights/experts: [N, K]; gate_up: [E, H, 2I]; down: [E, I, H]. Token copies are sorted by expert and
-    multiplied group by group with ``jax.lax.ragged_dot``; results are weighted and scattered back. Returns [N, H].
+    x: [N, H]; weights/experts: [N, K]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [N, H].
+    Few routed rows (N*K <= E/2, decode and verify at small batch): each row gathers its expert's weights
+    (:func:`gathered_experts`), reading only the experts in use. More rows: :func:`ragged_experts`.
     """
+    if experts.size <= gate_up.shape[0] // 2:
+        return gathered_experts(x, weights, experts, gate_up, down)
+    return ragged_experts(x, weights, experts, gate_up, down)
+
+
+def gathered_experts(x, weights, experts, gate_up, down):
+    """Per routed row: gather that expert's matrices and multiply (bytes ~ rows x one expert)."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # [N*K, H]
+    h = jnp.einsum("rh,rhj->rj", rows, gate_up[flat])
+    i = gate_up.shape[-1] // 2
+    act = jax.nn.silu(h[:, :i]) * h[:, i:]
+    y = jnp.einsum("ri,rih->rh", act, down[flat]).reshape(n, k, -1)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def ragged_experts(x, weights, experts, gate_up, down):
+    """Token copies sorted by expert, multiplied group by group with ``jax.lax.ragged_dot``, weighted and scattered
+    back."""
     n, k = experts.shape
     num_experts, _, two_i = gate_up.shape
     flat = experts.reshape(-1)

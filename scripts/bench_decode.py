@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""End-to-end decode benchmark at real Qwen3.5 shapes (random bf16 weights), against the memory roofline and
+transformers.
+
+    python scripts/bench_decode.py --models qwen3.5-4b,qwen3.5-27b --out results.json [--hf]
+
+Per model, in one run: weights and memory per slot; prefill tokens/s for the given prompt lengths; plain decode
+(k = 0) and verify (k >= 1) step times for the (batch, k) grid, measured through ``Engine.step`` (host work included)
+with all slots busy; compile time of each step; output tokens/s at the measured (random, ~0) acceptance and at the
+published Qwen3.5 MTP acceptance lengths; the bytes a step must read over the measured HBM bandwidth (roofline) and
+the fraction achieved. ``--hf`` adds transformers' model of the same shape doing greedy generation.
+JSON is written after every measurement (partial results survive a time limit); a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp import shapes
+from jaxmtp.engine import Engine
+from jaxmtp.engine.memory import memory_plan
+from jaxmtp.loading import Model
+from jaxmtp.model import init_params, param_shapes
+from jaxmtp.pallas import resolve_backend
+from jaxmtp.sampling import SamplingParams
+
+# Mean acceptance lengths (tokens per verify step) published for Qwen3.5's MTP head: k = 1, 2, 3 (issue 6); k = 4
+# extrapolated with the per-position rate 0.7 that k = 3's 2.9 implies (1 + .7 + .49 + .343 + .24).
+PUBLISHED_AL = {0: 1.0, 1: 1.9, 2: 2.4, 3: 2.9, 4: 3.14}
+
+_COMPILE_S = [0.0]
+
+
+def _on_event(event, duration, **_):
+    if "backend_compile" in event or event.endswith("compile_duration"):
+        _COMPILE_S[0] += duration
+
+
+try:
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+except AttributeError:  # pragma: no cover - very old jax
+    pass
+
+
+def median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def hbm_bandwidth() -> float:
+    """Bytes/s (read + written) of 20 chained elementwise passes over 1 GiB of float32 in one jitted loop."""
+    n = 1 << 28 if jax.default_backend() != "cpu" else 1 << 22
+    passes = 20
+    x = jnp.full((n,), 1.5, jnp.float32)
+
+    @jax.jit
+    def f(a):
+        return jax.lax.fori_loop(0, passes, lambda i, v: jax.lax.optimization_barrier(v * 1.0001), a)
+
+    jax.block_until_ready(f(x))
+    t = median_time(lambda: f(x), 5)
+    return passes * 2 * 4 * n / t
+
+
+def random_model(cfg, dtype, backend) -> Model:
+    params = init_params(cfg, jax.random.PRNGKey(0), dtype)
+    jax.block_until_ready(params)
+    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend))
+
+
+def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes."""
+    shapes_ = param_shapes(cfg, jnp.bfloat16)
+    leaves = jax.tree_util.tree_leaves_with_path(shapes_)
+    t = batch * (k + 1)
+    weights = 0
+    for path, s in leaves:
+        name = jax.tree_util.keystr(path)
+        nbytes = int(np.prod(s.shape)) * s.dtype.itemsize
+        if "embed_tokens" in name and not cfg.tie_word_embeddings:
+            nbytes = t * cfg.hidden_size * dtype_bytes  # gathered rows only
+        elif "experts" in name:  # routed experts: expected distinct experts hit by t tokens
+            e, top = cfg.num_experts, cfg.num_experts_per_tok
+            hit = e * (1 - (1 - top / e) ** t)
+            nbytes = int(nbytes * hit / e)
+        if "'mtp'" in name and k == 0:
+            nbytes = 0
+        weights += nbytes
+    if k > 0:  # each recursive draft step reads the LM head again (and the MTP layer)
+        head = cfg.vocab_size * cfg.hidden_size * dtype_bytes
+        mtp = sum(int(np.prod(s.shape)) * s.dtype.itemsize for p, s in leaves if "'mtp'" in jax.tree_util.keystr(p))
+        weights += (k - 1) * (head + mtp)
+    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    gdn = batch * n_gdn * state * (2 if k == 0 else 1 + (k + 1))  # read + write (or the k+1 step states)
+    return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
+
+
+def bench_prefill(model, prompt_len: int, chunk: int) -> dict:
+    eng = Engine(model, num_slots=1, max_context=prompt_len + 8, num_draft_tokens=0, prefill_chunk=chunk,
+                 steps_per_sync=1, check_memory=False)
+    rng = np.random.default_rng(0)
+    out = {}
+    for attempt in ("cold", "warm"):
+        _COMPILE_S[0] = 0.0
+        eng.add_request(rng.integers(0, model.config.vocab_size - 1, prompt_len).tolist(),
+                        SamplingParams(max_new_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        while eng.has_work():
+            eng.step()
+        dt = time.perf_counter() - t0
+        out[attempt] = {"seconds": dt, "compile_s": _COMPILE_S[0]}
+    return {"prompt_len": prompt_len, "chunk": chunk, "seconds": out["warm"]["seconds"],
+            "tokens_per_s": prompt_len / out["warm"]["seconds"], "compile_s": out["cold"]["compile_s"]}
+
+
+def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
+    """Make every slot an active request ``context`` tokens deep (random last token and drafts, KV as allocated) so
+    that the step can be timed without compiling prefill shapes. Step cost does not depend on the cache values."""
+    s, k = eng.num_slots, eng.k
+    vocab = eng.cfg.vocab_size
+    rng = np.random.default_rng(seed)
+    ids = jnp.arange(s, dtype=jnp.int32)
+    zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
+    state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
+                       jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32))
+    eng.state = state.replace(length=jnp.full((s,), context, jnp.int32),
+                              last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
+                              drafts=jnp.asarray(rng.integers(0, vocab, (s, k)), jnp.int32),
+                              generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
+
+
+def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, bw: float) -> dict:
+    """Device step time with every slot busy (the jitted ``steps_per_sync``-step loop, timed between host reads)."""
+    cfg = model.config
+    room = steps_per_sync * (syncs + 2) * (k + 1) + 16
+    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
+                 steps_per_sync=steps_per_sync, check_memory=False)
+    fill_synthetic(eng, context, batch * 10 + k)
+    _COMPILE_S[0] = 0.0
+    t0 = time.perf_counter()
+    eng.state, out = eng._run(model.params, eng.state)
+    jax.block_until_ready(out)
+    first = time.perf_counter() - t0
+    compile_s = _COMPILE_S[0]
+    times, accepted, steps = [], 0, 0
+    for _ in range(syncs):
+        t0 = time.perf_counter()
+        eng.state, out = eng._run(model.params, eng.state)
+        out = jax.device_get(out)  # the engine reads every loop's outputs back, so the timing includes it
+        times.append(time.perf_counter() - t0)
+        accepted += int(out["accepted"].sum())
+        steps += int(out["was_active"].sum())
+    step_s = float(np.median(times)) / steps_per_sync
+    plan = memory_plan(cfg, batch, context, k, model.dtype)
+    need = step_bytes(cfg, batch, k, context + room // 2)
+    del eng
+    return {
+        "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,
+        "first_call_s": first, "measured_acceptance_length": (accepted + steps) / max(steps, 1),
+        "published_acceptance_length": PUBLISHED_AL[k],
+        "tokens_per_s_at_published_al": batch * PUBLISHED_AL[k] / step_s,
+        "bytes_needed": need, "roofline_ms": need["total"] / bw * 1e3,
+        "roofline_fraction": need["total"] / bw / step_s, "memory_per_slot_bytes": plan.per_slot,
+    }
+
+
+def bench_engine(model, k: int, prompt_len: int, new_tokens: int) -> dict:
+    """One real request through Engine.step() (prefill, decode loops, host work): end-to-end output tokens/s."""
+    eng = Engine(model, num_slots=1, max_context=prompt_len + new_tokens + 8, num_draft_tokens=k,
+                 prefill_chunk=512, steps_per_sync=8, check_memory=False)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, model.config.vocab_size - 1, prompt_len).tolist()
+    res = {}
+    for attempt in ("cold", "warm"):
+        rid = eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        first, first_n, n = None, 0, 0
+        while eng.has_work():
+            for o in eng.step():
+                n += len(o.token_ids)
+                if first is None and o.token_ids:
+                    first, first_n = time.perf_counter() - t0, n
+        res[attempt] = (time.perf_counter() - t0, first, first_n, n)
+    total, first, first_n, n = res["warm"]
+    return {"k": k, "prompt_len": prompt_len, "new_tokens": n, "seconds": total,
+            "first_chunk_s": first, "first_chunk_tokens": first_n,
+            "decode_tokens_per_s": (n - first_n) / (total - first), "cold_seconds": res["cold"][0]}
+
+
+def bench_hf(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """transformers' Qwen3_5ForCausalLM of the same shape (random bf16 weights), greedy generate on CUDA."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_cfg = Qwen3_5TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+        tie_word_embeddings=cfg.tie_word_embeddings, layer_types=list(cfg.layer_types),
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor},
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size - 1, (batch, prompt_len), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seconds": dt,
+            "tokens_per_s": batch * new_tokens / dt}
+
+
+def parse_grid(spec: str) -> list[tuple[int, int]]:
+    """'1:0,1,2,3,4;8:0,3' -> [(1,0),(1,1),...,(8,0),(8,3)]"""
+    out = []
+    for part in spec.split(";"):
+        b, ks = part.split(":")
+        out += [(int(b), int(k)) for k in ks.split(",")]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3.5-4b,qwen3.5-27b")
+    ap.add_argument("--grid", default="1:0,1,2,3,4;8:0,3;32:0,3;64:0,3",
+                    help="batch:k,k;batch:k,... (steps measured for each pair)")
+    ap.add_argument("--small-grid", default="1:0,3", help="grid for models listed in --small-grid-models")
+    ap.add_argument("--small-grid-models", default="")
+    ap.add_argument("--context", type=int, default=1024, help="tokens already in each slot during decode")
+    ap.add_argument("--prefill", default="1024,8192,32768", help="prompt lengths for the prefill measurement")
+    ap.add_argument("--prefill-models", default=None, help="models to measure prefill on (default: all)")
+    ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--syncs", type=int, default=6)
+    ap.add_argument("--steps-per-sync", type=int, default=8)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
+    ap.add_argument("--engine-models", default=None)
+    ap.add_argument("--hf", default="", help="batches for the transformers comparison, e.g. 1,32")
+    ap.add_argument("--hf-models", default=None)
+    ap.add_argument("--hf-only", action="store_true",
+                    help="only the transformers comparison (run it in its own process: JAX reserves GPU memory)")
+    ap.add_argument("--hf-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test of the script)")
+    ap.add_argument("--time-limit", type=float, default=1e9, help="stop starting new measurements after this")
+    ap.add_argument("--out", default="bench_decode.json")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    if args.hf_only:
+        return hf_only(args)
+    dev = jax.devices()[0]
+    result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
+              "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
+              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "models": {}}
+    bw = hbm_bandwidth()
+    result["hbm_bytes_per_s"] = bw
+    print(f"device {result['device']}, measured bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    dtype = jnp.dtype(args.dtype)
+    small = set(filter(None, args.small_grid_models.split(",")))
+    prefill_models = set(filter(None, (args.prefill_models or args.models).split(",")))
+    hf_models = set(filter(None, (args.hf_models or args.models).split(",")))
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def over() -> bool:
+        return time.perf_counter() - t_start > args.time_limit
+
+    for name in args.models.split(","):
+        if over():
+            break
+        over_kw = {}
+        if args.tiny:
+            over_kw = dict(hidden_size=64, vocab_size=512, intermediate_size=128 if shapes.config(name).intermediate_size
+                           else 0, num_hidden_layers=4, layer_types=shapes.config(name).layer_types[:4],
+                           moe_layers=shapes.config(name).moe_layers[:4], head_dim=32, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=2 * shapes.config(name).gdn_v_per_k,
+                           num_attention_heads=4, num_key_value_heads=2)
+            if shapes.config(name).is_moe:
+                over_kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32)
+        cfg = shapes.config(name, **over_kw)
+        t0 = time.perf_counter()
+        model = random_model(cfg, dtype, args.backend)
+        entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
+                 "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
+                 "init_s": time.perf_counter() - t0, "backend": str(model.backend), "prefill": [], "steps": [],
+                 "hf": []}
+        result["models"][name] = entry
+        print(f"\n== {name}: {entry['weights_bytes'] / 2**30:.1f} GiB of weights ({model.backend})", flush=True)
+        if name in prefill_models:
+            for p in [int(x) for x in args.prefill.split(",") if x and int(x) > 0]:
+                if over():
+                    break
+                try:
+                    r = bench_prefill(model, p, args.prefill_chunk)
+                except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
+                    r = {"prompt_len": p, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                entry["prefill"].append(r)
+                print("prefill", json.dumps(r), flush=True)
+                save()
+        for batch, k in parse_grid(args.small_grid if name in small else args.grid):
+            if over():
+                break
+            try:
+                r = bench_steps(model, batch, k, args.context, args.syncs, args.steps_per_sync, bw)
+            except Exception as e:  # noqa: BLE001
+                r = {"batch": batch, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            entry["steps"].append(r)
+            print("step", json.dumps({x: r[x] for x in r if x != "bytes_needed"}), flush=True)
+            save()
+        engine_models = set(filter(None, (args.engine_models or args.models).split(",")))
+        for k in [int(x) for x in args.engine_ks.split(",") if x] if name in engine_models else []:
+            if over():
+                break
+            try:
+                r = bench_engine(model, k, args.context, args.hf_new_tokens * 2)
+            except Exception as e:  # noqa: BLE001
+                r = {"k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            entry.setdefault("engine", []).append(r)
+            print("engine", json.dumps(r), flush=True)
+            save()
+        del model
+        if args.hf and name in hf_models and jax.default_backend() == "gpu":
+            for b in [int(x) for x in args.hf.split(",")]:
+                if over():
+                    break
+                try:
+                    r = bench_hf(cfg, b, args.context, args.hf_new_tokens)
+                except Exception as e:  # noqa: BLE001
+                    r = {"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                entry["hf"].append(r)
+                print("hf", json.dumps(r), flush=True)
+                save()
+    save()
+    print_table(result)
+    return 0
+
+
+def hf_only(args) -> int:
+    """transformers' greedy generation for each model and batch, alone in this process."""
+    import torch
+
+    out = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+           "models": {}}
+    import transformers
+
+    out["transformers"] = transformers.__version__
+    try:
+        import fla
+
+        out["fla"] = getattr(fla, "__version__", "installed")
+    except ImportError:
+        out["fla"] = None
+    for name in args.models.split(","):
+        cfg = shapes.config(name)
+        out["models"][name] = []
+        for b in [int(x) for x in args.hf.split(",")]:
+            try:
+                r = bench_hf(cfg, b, args.context, args.hf_new_tokens)
+            except Exception as e:  # noqa: BLE001
+                r = {"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            out["models"][name].append(r)
+            print("hf", name, json.dumps(r), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']} | jax {result['jax']} | {result['date']} | HBM {result['hbm_bytes_per_s'] / 1e9:.0f} GB/s")
+    print(f"{'model':18s} {'B':>3s} {'k':>2s} {'step ms':>8s} {'x k=0':>6s} {'roofline':>8s} {'tok/s@AL':>9s} "
+          f"{'x plain':>7s} {'compile s':>9s}")
+    for name, e in result["models"].items():
+        base = {s["batch"]: s for s in e["steps"] if s.get("k") == 0 and "error" not in s}
+        for s in e["steps"]:
+            if "error" in s:
+                print(f"{name:18s} {s['batch']:3d} {s['k']:2d} error: {s['error'][:60]}")
+                continue
+            b0 = base.get(s["batch"])
+            ratio = s["step_ms"] / b0["step_ms"] if b0 else math.nan
+            speed = s["tokens_per_s_at_published_al"] / b0["tokens_per_s_at_published_al"] if b0 else math.nan
+            print(f"{name:18s} {s['batch']:3d} {s['k']:2d} {s['step_ms']:8.2f} {ratio:6.2f} "
+                  f"{s['roofline_fraction']:8.0%} {s['tokens_per_s_at_published_al']:9.0f} {speed:7.2f} "
+                  f"{s['compile_s']:9.1f}")
+        for p in e["prefill"]:
+            if "error" not in p:
+                print(f"{name:18s} prefill {p['prompt_len']:6d} tokens: {p['tokens_per_s']:9.0f} tok/s")
+        for r in e.get("engine", []):
+            if "error" not in r:
+                print(f"{name:18s} engine k={r['k']}: {r['decode_tokens_per_s']:.0f} tok/s after the first chunk, "
+                      f"{r['new_tokens']} tokens in {r['seconds']:.2f} s (prompt {r['prompt_len']})")
+        for h in e["hf"]:
+            if "error" not in h:
+                print(f"{name:18s} transformers B={h['batch']}: {h['tokens_per_s']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
