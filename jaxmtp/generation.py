@@ -218,10 +218,15 @@ def generate(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: 
     return results if batched else results[0]
 
 
+# A prompt the default (standard-library code) model continues sensibly; it ends at a colon, not a newline (its
+# byte-level BPE merges a newline with the next line's indentation).
+DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):'
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxmtp",
                                  description="Generate text with MTP speculative decoding.")
-    ap.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
+    ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="prompt text (default: a small class)")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", "--num-draft-tokens", type=int, default=None)
