@@ -403,7 +403,9 @@ def _abort_and_disconnect(server, client, model, gate):
 
     # Abort: the aborted stream ends with finish_reason abort, and the queued request takes its slot at once.
     assert client.abort("long0", "no-such-request") == ["long0"]
-    gate.step(2)  # frees long0's slot, admits the short request and runs it to its 6 tokens (>= 1 + 2 x 4)
+    # Frees long0's slot and admits the short request; an iteration that completes a prompt returns its first token
+    # at once, so the short request needs that iteration plus two decode iterations for its 6 tokens (1 + 4 + 4).
+    gate.step(3)
     for _ in iters[0]:
         pass
     assert longs[0].completion.finish_reason == "abort" and longs[0].completion.completion_tokens < LONG
@@ -560,7 +562,7 @@ def test_drain_finishes_in_flight_requests_then_cuts_the_rest(make_server, model
             with pytest.raises(GenerationError) as e:
                 c.generate([1], max_tokens=2)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.message
-            gate.step(2)  # within the grace period the short request runs to its end
+            gate.step(3)  # within the grace period the short request runs to its end (prefill, then 2 x 4 steps)
             assert [t for ch in short for t in ch.token_ids] == want.token_ids
             assert short.completion.finish_reason == "length"
             wait_for_abort(srv, "long", "shutdown")  # the grace period is over
