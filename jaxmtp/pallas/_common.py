@@ -52,3 +52,14 @@ def mm(a, b, *, ta: bool = False, tb: bool = False, dtype=jnp.float32, interpret
 def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """``x * rsqrt(sum(x^2) + eps)`` over the last axis (float32)."""
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def pad_to_chunks(chunk: int, q, k, v, g, beta):
+    """Right-pad the time axis (1) of ``q, k, v [B, T, H, d]`` and ``g, beta [B, T, H]`` with zeros to a multiple
+    of ``chunk``; zero g and beta leave the state unchanged. Returns the padded five and the padding length."""
+    pad = (-q.shape[1]) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    return q, k, v, g, beta, pad
+

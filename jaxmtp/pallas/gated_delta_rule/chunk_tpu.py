@@ -19,6 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxmtp.pallas._common import pad_to_chunks
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -93,10 +95,7 @@ def chunk_gated_delta_rule_tpu(q, k, v, g, beta, scale=None, initial_state=None,
     if c % 8:
         raise ValueError(f"chunk_size must be a multiple of 8, not {c}")
     scale = dk**-0.5 if scale is None else scale
-    pad = (-t) % c
-    if pad:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    q, k, v, g, beta, pad = pad_to_chunks(c, q, k, v, g, beta)
     tp = t + pad
     n = tp // c
     qh, kh, vh = (jnp.moveaxis(a, 2, 1) for a in (q, k, v))  # [B, H, Tp, d]

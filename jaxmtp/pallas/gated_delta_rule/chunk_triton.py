@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import l2norm_rows, mm, work_dtype
+from jaxmtp.pallas._common import l2norm_rows, mm, pad_to_chunks, work_dtype
 
 _BC = 16  # sub-chunk: the smallest matmul tile
 
@@ -145,10 +145,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     bv = min(block_v or 32, dv)
     scale = dk**-0.5 if scale is None else scale
     wd = work_dtype(q.dtype)
-    pad = (-t) % c
-    if pad:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    q, k, v, g, beta, pad = pad_to_chunks(c, q, k, v, g, beta)
     tp = t + pad
     n = tp // c
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmtp.pallas._common import pad_to_chunks
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -112,10 +114,7 @@ def naive_chunk_gated_delta_rule(
     t = q.shape[1]
     q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
     c = chunk_size
-    pad = (-t) % c
-    if pad:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    q, k, v, g, beta, _ = pad_to_chunks(c, q, k, v, g, beta)
     b, tp, h, dk = k.shape
     n = tp // c
 
