@@ -63,3 +63,14 @@ def pad_to_chunks(chunk: int, q, k, v, g, beta):
         g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
     return q, k, v, g, beta, pad
 
+
+def recurrent_setup(q, v, scale, output_final_state: bool, output_step_states: bool):
+    """Shared prologue of the recurrent kernels: ``(r = Hv // Hk, scale, mode)`` with mode ``"steps"`` (state after
+    every token), ``"final"`` or ``"none"``; raises unless Hv is a multiple of Hk."""
+    hk, dk = q.shape[2:]
+    hv = v.shape[2]
+    if hv % hk:
+        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
+    mode = "steps" if output_step_states else ("final" if output_final_state else "none")
+    return hv // hk, (dk**-0.5 if scale is None else scale), mode
+

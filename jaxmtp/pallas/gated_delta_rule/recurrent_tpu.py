@@ -17,6 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxmtp.pallas._common import recurrent_setup
+
 
 def _kernel(*refs, t, scale, l2norm, has_init, mode):
     q_ref, k_ref, v_ref, g_ref, b_ref, *rest = refs
@@ -50,11 +52,7 @@ def fused_recurrent_gated_delta_rule_tpu(q, k, v, g, beta, scale=None, initial_s
     """Same contract as :func:`naive_recurrent_gated_delta_rule`."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    if hv % hk:
-        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
-    r = hv // hk
-    scale = dk**-0.5 if scale is None else scale
-    mode = "steps" if output_step_states else ("final" if output_final_state else "none")
+    r, scale, mode = recurrent_setup(q, v, scale, output_final_state, output_step_states)
     has_init = initial_state is not None
 
     qc, kc = (jnp.moveaxis(a, 2, 1)[..., None] for a in (q, k))  # [B, Hk, T, dk, 1]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import l2norm_rows
+from jaxmtp.pallas._common import l2norm_rows, recurrent_setup
 
 
 def _kernel(*refs, t, scale, l2norm, has_init, mode):
@@ -53,14 +53,10 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
     """Same contract as :func:`naive_recurrent_gated_delta_rule`; ``block_v`` (BV) and ``num_warps`` tune it."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    if hv % hk:
-        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
-    r = hv // hk
+    r, scale, mode = recurrent_setup(q, v, scale, output_final_state, output_step_states)
     bv = min(block_v or 32, dv)
     if dv % bv:
         raise ValueError(f"dv={dv} must be a multiple of block_v={bv}")
-    scale = dk**-0.5 if scale is None else scale
-    mode = "steps" if output_step_states else ("final" if output_final_state else "none")
     has_init = initial_state is not None
 
     seq = lambda d: pl.BlockSpec((None, t, None, d), lambda iv, h, bi: (bi, 0, h // r, 0))  # noqa: E731
