@@ -254,9 +254,10 @@ class _Assembler:
                 absent = [(e, w) for e in range(cfg.num_experts) for w in which if (e, w) not in done]
                 if not absent:
                     continue
-                missing += [_hf_name(path[:-2] + ("experts", str(e), f"{w}.weight")) for e, w in absent[:3]]
+                missing += [_hf_name(path[:-2] + ("experts", str(e), f"{w}.weight"), cfg) for e, w in absent[:3]]
                 continue
-            missing.append(_hf_name(path))
+            missing.append(_hf_name(path, cfg))
+        missing = list(dict.fromkeys(missing))  # Qwen3-Next: two native leaves come from one fused tensor
         if missing:
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
             raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing[:10])}{more}")
@@ -267,9 +268,15 @@ class _Assembler:
         return jax.tree_util.tree_map_with_path(build, self.shapes)
 
 
-def _hf_name(path: tuple) -> str:
-    """Canonical HF name of a native path (for error messages)."""
+_QWEN3_NEXT_FUSED = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
+                     "in_proj_a": "in_proj_ba"}
+
+
+def _hf_name(path: tuple, cfg: Qwen35Config) -> str:
+    """Canonical HF name of a native path (for error messages), in the checkpoint family's own layout."""
     parts = [str(p) for p in path]
+    if cfg.family == "qwen3_next" and parts[-1] in _QWEN3_NEXT_FUSED:
+        parts[-1] = _QWEN3_NEXT_FUSED[parts[-1]]
     if parts[0] == "layers":
         parts = ["model"] + parts
     elif parts[0] in ("embed_tokens", "norm"):

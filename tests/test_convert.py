@@ -93,6 +93,14 @@ def test_missing_shard_and_missing_expert(checkpoint_factory, tmp_path):
         load_hf_params(str(ckpt), progress=False)
 
 
+def test_missing_qwen3_next_tensor_is_named_in_its_own_layout(checkpoint_factory, tmp_path):
+    path, _ = checkpoint_factory("next", hv_ratio=2)
+    ckpt = _copy(path, tmp_path)
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.linear_attn.in_proj_qkvz.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): model.layers.1.linear_attn.in_proj_qkvz.weight$"):
+        load_hf_params(str(ckpt), progress=False)
+
+
 def test_checkpoint_without_mtp_loads_with_mtp_disabled(checkpoint_factory, tmp_path, rng):
     path, hf = checkpoint_factory("dense", hv_ratio=1, with_mtp=False)
     model = jaxmtp.load(path, dtype="float32", progress=False)
