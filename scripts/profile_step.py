@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: kernel counts, GPU busy time and the top ops, from a JAX profiler trace.
+
+    python scripts/profile_step.py --model qwen3.5-4b --batch 1 --k 0 --out prof.json [--backend auto]
+
+Builds a random bf16 model of a released Qwen3.5 shape, fills every slot with a request ``--context`` tokens deep
+(as ``bench_decode.py`` does), warms the engine's jitted ``steps_per_sync``-step loop, then traces ``--syncs`` calls
+with ``jax.profiler`` and reads the trace back (``*.trace.json.gz``; no TensorBoard needed). Reported per step:
+wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is the idle share:
+launch gaps, host round trips), and the ops with the most device time. Run it with different ``XLA_FLAGS`` in
+separate processes to compare compiler settings. JSON out; a short summary prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_decode import fill_synthetic, random_model, step_bytes  # noqa: E402
+from jaxmtp import shapes  # noqa: E402
+from jaxmtp.engine import Engine  # noqa: E402
+
+
+def _union(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals."""
+    total, end = 0.0, -float("inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def read_trace(trace_dir: str) -> dict:
+    """Events of the newest ``*.trace.json.gz`` under ``trace_dir``, grouped by (process, thread) name."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e["tid"])] = e["args"]["name"]
+    groups = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            key = (pname.get(e["pid"], str(e["pid"])), tname.get((e["pid"], e["tid"]), str(e["tid"])))
+            groups[key].append(e)
+    return groups
+
+
+def is_device_stream(process: str, thread: str) -> bool:
+    """Threads that hold device kernels (one per CUDA stream), not the derived "XLA Ops"/"XLA Modules" lines."""
+    p, t = process.lower(), thread.lower()
+    return ("gpu" in p or "device" in p) and "stream" in t
+
+
+def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
+    threads, kernels = [], []
+    for (proc, thr), evs in groups.items():
+        threads.append({"process": proc, "thread": thr, "events": len(evs),
+                        "total_us": sum(e["dur"] for e in evs)})
+        if is_device_stream(proc, thr):
+            kernels.extend(evs)
+    busy_us = _union((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    by_op = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        args = e.get("args", {})
+        name = args.get("hlo_op") or args.get("long_name") or e["name"]
+        by_op[name][0] += 1
+        by_op[name][1] += e["dur"]
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for name, (n, us) in by_op.items():
+        kind = re.sub(r"(\.\d+)+(\.clone)?$", "", name)
+        by_kind[kind][0] += n
+        by_kind[kind][1] += us
+    kinds = sorted(({"kind": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps}
+                    for k, v in by_kind.items()), key=lambda r: -r["us_per_step"])
+    ops = sorted(({"op": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps} for k, v in by_op.items()),
+                 key=lambda r: -r["us_per_step"])
+    span_us = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+    return {
+        "wall_ms_per_step": wall_s / steps * 1e3,
+        "kernels_per_step": len(kernels) / steps,
+        "device_busy_ms_per_step": busy_us / steps / 1e3,
+        "device_span_ms_per_step": span_us / steps / 1e3,
+        "kernel_time_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
+        "top_ops": ops[:top],
+        "by_kind": kinds[:top],
+        "threads": sorted(threads, key=lambda r: -r["total_us"])[:40],
+    }
+
+
+def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, top: int) -> dict:
+    room = steps_per_sync * (syncs + 3) * (k + 1) + 16
+    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
+                 steps_per_sync=steps_per_sync, check_memory=False)
+    fill_synthetic(eng, context, batch * 10 + k)
+    for _ in range(2):  # compile and warm
+        eng.state, out = eng._run(model.params, eng.state)
+        jax.device_get(out)
+    untraced = []
+    for _ in range(syncs):
+        t0 = time.perf_counter()
+        eng.state, out = eng._run(model.params, eng.state)
+        jax.device_get(out)
+        untraced.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        t0 = time.perf_counter()
+        for _ in range(syncs):
+            eng.state, out = eng._run(model.params, eng.state)
+            jax.device_get(out)
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        groups = read_trace(d)
+    steps = syncs * steps_per_sync
+    res = summarise(groups, steps, wall, top)
+    res.update(batch=batch, k=k, context=context, untraced_step_ms=float(np.median(untraced)) / steps_per_sync * 1e3)
+    del eng
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3.5-4b")
+    ap.add_argument("--grid", default="1:0,3", help="batch:k,k;batch:k,... profiled in turn")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--steps-per-sync", type=int, default=8)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--override", default="", help="backend fields to set, e.g. matmul=triton,moe=xla")
+    ap.add_argument("--matmul-max-rows", type=int, default=None, help="jaxmtp.pallas.matmul.KERNEL_MAX_ROWS")
+    ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
+    ap.add_argument("--out", default="profile_step.json")
+    args = ap.parse_args(argv)
+
+    over = {}
+    if args.tiny:
+        over = dict(hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
+                    layer_types=shapes.config(args.model).layer_types[:4], moe_layers=(False,) * 4, head_dim=32,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2)
+    cfg = shapes.config(args.model, **over)
+    if args.matmul_max_rows is not None:
+        import jaxmtp.pallas.matmul as matmul_mod
+
+        matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
+    model = random_model(cfg, jnp.bfloat16, args.backend)
+    if args.override:
+        fields = dict(kv.split("=") for kv in args.override.split(","))
+        model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
+    dev = jax.devices()[0]
+    result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
+              "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model,
+              "backend": str(model.backend), "matmul_max_rows": args.matmul_max_rows, "command": " ".join(sys.argv), "runs": []}
+    for part in filter(None, args.grid.split(";")):
+        b, ks = part.split(":")
+        for k in ks.split(","):
+            r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top)
+            r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context)["total"]
+            result["runs"].append(r)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"{args.model} B={b} k={k}: step {r['wall_ms_per_step']:.2f} ms traced "
+                  f"({r['untraced_step_ms']:.2f} untraced), {r['kernels_per_step']:.0f} kernels, device busy "
+                  f"{r['device_busy_ms_per_step']:.2f} ms", flush=True)
+            if not r["kernels_per_step"]:
+                print("   no device-stream threads found; threads:", [(t["process"], t["thread"]) for t in r["threads"]])
+            for op in r["by_kind"][:12]:
+                print(f"   {op['us_per_step']:9.1f} us  x{op['calls_per_step']:5.1f}  {op['kind'][:110]}")
+            for op in r["top_ops"][:8]:
+                print(f"   {op['us_per_step']:9.1f} us  x{op['calls_per_step']:5.1f}  {op['op'][:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
