@@ -28,9 +28,9 @@ from jaxmtp.layers.attention import KVCache, gated_attention
 from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
-from jaxmtp.precision import einsum_f32
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas.matmul import linear
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -170,31 +170,33 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
-                                   implementation=backend.attention)
+                                   implementation=backend.attention, matmul=backend.matmul)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions >= 0, carry, form=gdn_form,
-                                  step_states=step_states, implementation=impl)
+                                  step_states=step_states, implementation=impl, matmul=backend.matmul)
     x = x + y
     h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-    x = x + (moe_mlp(lp["mlp"], cfg, h) if moe else dense_mlp(lp["mlp"], h))
+    mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul) if moe
+           else dense_mlp(lp["mlp"], h, backend.matmul))
+    x = x + mlp
     return x, carry
 
 
-def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
-    """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads use the embedding)."""
+def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array:
+    """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads read the embedding ``[V, H]``)."""
     if "lm_head" in params:
-        return einsum_f32("...h,hv->...v", hidden, params["lm_head"])
-    return einsum_f32("...h,vh->...v", hidden, params["embed_tokens"])
+        return linear(hidden, params["lm_head"], out_dtype=jnp.float32, implementation=matmul)
+    return linear(hidden, params["embed_tokens"], transpose_w=True, out_dtype=jnp.float32, implementation=matmul)
 
 
-def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str):
+def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str, matmul: str = "xla"):
     """``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``: None."""
     if logits == "all":
-        return lm_head(params, hidden)
+        return lm_head(params, hidden, matmul)
     if logits == "last":
         last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
-        return lm_head(params, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+        return lm_head(params, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], matmul)
     if logits == "none":
         return None
     raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
@@ -222,7 +224,7 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
                              gdn_form=form, step_states=step_states, backend=backend)
         new_carry.append(c)
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return select_logits(params, hidden, positions, logits), hidden, tuple(new_carry)
+    return select_logits(params, hidden, positions, logits, backend.matmul), hidden, tuple(new_carry)
 
 
 def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry, *, cfg: Qwen35Config,
@@ -238,11 +240,11 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     eps = cfg.rms_norm_eps
     e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    z = jnp.concatenate([e, h], axis=-1) @ mp["fc"]
+    z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
     z, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
                          backend=backend)
     hm = rms_norm(z, mp["norm"], eps)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
-    return select_logits(params, hm, positions, logits), hm, new_carry
+    return select_logits(params, hm, positions, logits, backend.matmul), hm, new_carry

@@ -5,7 +5,8 @@
 
 Sections: ``ceilings`` (device copy, bf16 matmul), ``check`` (every kernel vs its reference at Qwen3.5 shapes, bf16),
 ``model`` (small random Qwen3.5: prefill, decode, verify with kernels vs the XLA path), ``fla_check`` (FLA computes
-the same function), ``recurrent``, ``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` (tiles).
+the same function), ``recurrent``, ``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` /
+``moe_sweep`` (tiles).
 Everything does not fit in one 10-minute device call: see docs/performance.md ("Kernels") for the calls used.
 
 Timing (:func:`time_jax`): one jit runs 1 + n calls, each fed the previous call's output (a true dependency: no
@@ -41,10 +42,14 @@ from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noq
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule.recurrent_triton import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+from jaxmtp.pallas.moe import gathered_experts, moe_reference, ragged_experts  # noqa: E402
+from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton  # noqa: E402
 
 REPS, ITERS = 10, 5
 XLA_RECURRENT = {(1, 1), (64, 1), (8, 5), (64, 5)}  # (B, T) where the XLA reference is timed too
 XLA_ATTENTION = {(1, 1), (8, 5)}
+MOE_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+MOE_GATHER_MAX = 32  # gathered_experts copies each routed row's expert matrices (6 MB each at 35B-A3B shapes)
 RESULTS: dict = {"rows": [], "checks": [], "errors": []}
 T_START = time.time()
 ARGS = None
@@ -94,6 +99,10 @@ def time_jax(fn, *args, chain, reps=None, iters=ITERS):
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
+    if ARGS is not None and getattr(ARGS, "timer", "wall") == "trace":
+        from devtime import device_seconds
+
+        return device_seconds(fn, *args, chain=chain, calls=reps)
     t1, tn = median_wall(1), median_wall(1 + reps)
     return (tn - t1) / reps if tn > t1 else tn / (1 + reps)
 
@@ -205,6 +214,31 @@ def attn_inputs(key, b, t, hq, hkv, d, s, positions, dtype=jnp.bfloat16):
     return q, kc, vc, jnp.asarray(positions, jnp.int32)
 
 
+def moe_shapes():
+    """(E, K, H, I): Qwen3.5-35B-A3B's routed experts, or tiny ones for --smoke."""
+    return (16, 2, 64, 32) if ARGS.smoke else (256, 8, 2048, 512)
+
+
+def moe_weights(e, h, i, dtype=jnp.bfloat16):
+    gate_up = (0.02 * jax.random.normal(jax.random.key(1), (e, h, 2 * i), jnp.float32)).astype(dtype)
+    down = (0.02 * jax.random.normal(jax.random.key(2), (e, i, h), jnp.float32)).astype(dtype)
+    return gate_up, down
+
+
+def moe_inputs(n, e, k, h, dtype=jnp.bfloat16):
+    """x [n, H], softmax top-k routing weights (not renormalised) and experts, as the model routes."""
+    x = jax.random.normal(jax.random.key(n), (n, h), dtype)
+    logits = jax.random.normal(jax.random.key(n + 1), (n, e), jnp.float32)
+    w, experts = jax.lax.top_k(jax.nn.softmax(logits), k)
+    return x, w.astype(dtype), experts
+
+
+def chain_moe(a, out):
+    """MoE: the output becomes the next x, and the routing shifts to other experts (37 is prime to E), so that the
+    experts one call touched are not in L2 for the next."""
+    return (out, a[1], (a[2] + 37) % a[3].shape[0], *a[3:])
+
+
 def rel_err(got, want, mask=None):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if mask is not None:
@@ -287,6 +321,19 @@ def section_check():
         o_r = attention_reference(q, kc, vc, pos)
         add_check(f"attention b{b} t{t} {hq}/{hkv} S{s_len}", *rel_err(o, o_r, np.asarray(pos)[:, :, None, None] >= 0),
                   1e-2)
+    e, kk, h, i = moe_shapes()  # MoE routed experts (35B-A3B), bf16; truth: the same values in float32
+    gate_up, down = moe_weights(e, h, i)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    gate_up32, down32 = f32(gate_up), f32(down)
+    for n in ((1, 3, 13) if sm else MOE_TOKENS):
+        x, w, experts = moe_inputs(n, e, kk, h)
+        o = moe_experts_triton(x, w, experts, gate_up, down, **impl_kw())
+        o_r = moe_reference(x, w, experts, gate_up, down)
+        with jax.default_matmul_precision("highest"):
+            truth = ragged_experts(f32(x), f32(w), experts, gate_up32, down32)
+        add_check(f"moe n{n} E{e} K{kk} H{h} I{i}", *rel_err(o, o_r), 1e-2, kernel_vs_f32=rel_err(o, truth)[0],
+                  xla_bf16_vs_f32=rel_err(o_r, truth)[0])
+    del gate_up32, down32
 
 
 def section_model():
@@ -510,26 +557,30 @@ def section_attention():
 
 
 def section_moe():
-    """jax.lax.ragged_dot in the MoE block (layers/mlp.py::grouped_experts) at decode token counts."""
-    from jaxmtp.layers.mlp import grouped_experts
-
+    """Routed MoE experts at decode / verify token counts, 35B-A3B shapes (E 256, top-8, H 2048, I 512, bf16): the
+    Triton grouped kernel vs the XLA paths (per-row gather of expert matrices, ragged_dot). Bandwidth counts the
+    bytes of the experts touched (and x / output once); the routing moves to other experts every call."""
     sm = ARGS.smoke
-    e, kk, h, i = (256, 8, 2048, 512) if not sm else (16, 2, 64, 32)
-    gate_up = 0.02 * jax.random.normal(jax.random.key(1), (e, h, 2 * i), jnp.bfloat16)
-    down = 0.02 * jax.random.normal(jax.random.key(2), (e, i, h), jnp.bfloat16)
-    for n in ((1, 8, 64, 320) if not sm else (1, 8)):
+    e, kk, h, i = moe_shapes()
+    gate_up, down = moe_weights(e, h, i)
+    per_expert = (h * 2 * i + i * h) * gate_up.dtype.itemsize
+    for n in ((1, 3, 13) if sm else MOE_TOKENS):
         if out_of_time("moe"):
             return
-        x = jax.random.normal(jax.random.key(n), (n, h), jnp.bfloat16)
-        logits = jax.random.normal(jax.random.key(n + 1), (n, e), jnp.float32)
-        w, experts = jax.lax.top_k(jax.nn.softmax(logits), kk)
+        x, w, experts = moe_inputs(n, e, kk, h)
         touched = len(np.unique(np.asarray(experts)))
-        nbytes = touched * (h * 2 * i + i * h) * 2
-        sec = guarded(f"moe n{n}", time_jax, grouped_experts, x, w.astype(jnp.bfloat16), experts, gate_up, down,
-                      chain=chain_first)
-        if sec:
-            record("moe_grouped_experts", dict(tokens=n, experts_touched=touched), "xla_ragged_dot", sec, nbytes,
-                   2 * n * kk * 3 * h * i)
+        nbytes = touched * per_expert + 2 * n * h * x.dtype.itemsize
+        flops = 2 * n * kk * 3 * h * i
+        shape = dict(tokens=n, experts_touched=touched)
+        impls = [("pallas", functools.partial(moe_experts_triton, **impl_kw()),
+                  dict(plan=moe_plan_kw(n * kk, e, h, i)))]
+        impls.append(("xla_ragged_dot", ragged_experts, {}))
+        if n <= MOE_GATHER_MAX:
+            impls.append(("xla_gather", gathered_experts, {}))
+        for name, fn, extra in impls:
+            sec = guarded(f"moe {name} n{n}", time_jax, fn, x, w, experts, gate_up, down, chain=chain_moe)
+            if sec:
+                record("moe_experts", shape, name, sec, nbytes, flops, **extra)
 
 
 def section_sweep():
@@ -588,6 +639,44 @@ def section_sweep():
                        attn_bytes(b, t, hq, 2, dd, s))
 
 
+def moe_plan_kw(n_pairs, e, h, i):
+    """The plan of :func:`moe_experts_triton` as its keyword arguments."""
+    from jaxmtp.pallas.moe.grouped_triton import plan
+    from jaxmtp.pallas.moe.layout import choose_layout
+
+    layout, bm, nb = choose_layout(n_pairs, e)
+    bn1, bk1, split, bn2, bk2 = plan(nb, h, i)
+    return dict(layout=layout, block_rows=bm, n_blocks=nb, block_up=bn1, block_k=bk1, split_h=split,
+                block_down=bn2, block_k_down=bk2, num_warps=4, num_stages=3)
+
+
+def section_moe_sweep():
+    """The MoE kernel's plan against single changes of it (layout, H split, tiles, launch settings), 35B-A3B."""
+    sm = ARGS.smoke
+    e, kk, h, i = moe_shapes()
+    gate_up, down = moe_weights(e, h, i)
+    per_expert = (h * 2 * i + i * h) * gate_up.dtype.itemsize
+    variants = [dict(), dict(layout="pairs"), dict(layout="sorted"), dict(split_h=1), dict(split_h=2),
+                dict(split_h=4), dict(block_up=64), dict(block_up=32), dict(block_down=64), dict(block_down=128),
+                dict(block_k=64), dict(num_stages=4), dict(num_warps=2)]
+    for n in ((1, 8, 32, 128, 512) if not sm else (1, 13)):
+        x, w, experts = moe_inputs(n, e, kk, h)
+        nbytes = len(np.unique(np.asarray(experts))) * per_expert + 2 * n * h * x.dtype.itemsize
+        base = moe_plan_kw(n * kk, e, h, i)
+        for kw in variants:
+            if out_of_time("moe_sweep"):
+                return
+            if kw and all(base[k] == v for k, v in kw.items()):  # the plan itself
+                continue
+            if (kw.get("layout") == "pairs" and n > 32) or (sm and kw and "layout" not in kw):
+                continue
+            fn = functools.partial(moe_experts_triton, **kw, **impl_kw())
+            sec = guarded(f"moe_sweep {kw}", time_jax, fn, x, w, experts, gate_up, down, chain=chain_moe)
+            if sec:
+                record("sweep_moe", dict(tokens=n), "_".join(f"{k}{v}" for k, v in kw.items()) or "plan", sec,
+                       nbytes)
+
+
 def section_sweep_final():
     """A few tile choices around the defaults, after the defaults were set from :func:`section_sweep`."""
     sm = ARGS.smoke
@@ -623,7 +712,7 @@ def section_sweep_final():
 SECTIONS = {
     "ceilings": section_ceilings, "check": section_check, "model": section_model, "fla_check": section_fla_check,
     "recurrent": section_recurrent, "chunk": section_chunk, "attention": section_attention, "moe": section_moe,
-    "sweep": section_sweep, "sweep_final": section_sweep_final,
+    "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
 }
 
 
@@ -653,6 +742,9 @@ def main():
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--sections", default="ceilings,check,model,recurrent,chunk,attention,moe")
     p.add_argument("--max-seconds", type=float, default=540.0)
+    p.add_argument("--timer", choices=("wall", "trace"), default="wall",
+                   help="wall: difference of two chained loops' wall times; trace: device kernel time from a "
+                        "profiler trace (scripts/devtime.py), steadier for ops of a few microseconds")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
     p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")

@@ -40,4 +40,5 @@ def test_default_k_policy():
     assert [default_num_draft_tokens(dense, b) for b in (1, 8, 64, 65)] == [3, 3, 3, 0]
     # 35B-A3B: 256 experts, top-8: slots x (k+1) x 8 <= 32 routed rows
     assert [default_num_draft_tokens(moe, b) for b in (1, 2, 3, 4, 8)] == [3, 1, 0, 0, 0]
+    assert [default_num_draft_tokens(moe, b, moe_kernel=True) for b in (1, 8, 64, 65)] == [3, 3, 3, 0]
     assert default_num_draft_tokens(dense.replace(mtp_num_hidden_layers=0), 1) == 0

@@ -1,6 +1,7 @@
 """A small random Qwen3.5 model runs prefill, decode and verify (step states) with the Triton kernels (interpret
 mode) and matches the XLA path; plus the backend registry."""
 
+import dataclasses
 import functools
 
 import jax
@@ -64,5 +65,10 @@ def test_backend_registry():
     assert _auto_backend("tpu") == XLA  # TPU kernels are unmeasured: never picked automatically
     gpu = _auto_backend("gpu")
     assert {gpu.attention, gpu.gdn_chunk, gpu.gdn_recurrent} <= {"xla", "triton"}
+    assert gpu.moe in ("xla", "triton")
+    small, large = small_config(), dataclasses.replace(small_config(), hidden_size=4096)
+    assert _auto_backend("gpu", small).matmul == "triton"  # XLA's single-row products are slow at small hidden
+    assert _auto_backend("gpu", large).matmul == "xla"
+    assert _auto_backend("cpu", small) == XLA
     with pytest.raises(ValueError):
         resolve_backend("fast")

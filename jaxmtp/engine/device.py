@@ -176,7 +176,7 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
     generated0 = jnp.zeros_like(n_valid)
-    first = sample_tokens(lm_head(params, h_last)[:, None], row(state.temperature), row(state.top_k),
+    first = sample_tokens(lm_head(params, h_last, backend.matmul)[:, None], row(state.temperature), row(state.top_k),
                           row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None])[:, 0]
     prompt_len = jnp.max(positions, axis=1) + 1
     new_state = state.replace(carry=_put(state.carry, slots, carry))
@@ -188,7 +188,7 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         mtp = _take(state.mtp_carry, slots)
         _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend)
         hm_last = jnp.take_along_axis(hm, last_idx[:, None, None], axis=1)[:, 0]
-        d1 = jnp.argmax(lm_head(params, hm_last), axis=-1).astype(jnp.int32)
+        d1 = jnp.argmax(lm_head(params, hm_last, backend.matmul), axis=-1).astype(jnp.int32)
         drafts, mtp = _draft_rest(params, cfg, k, d1, hm_last, prompt_len, final, mtp, backend)
         if state.oracle is not None:
             oracle = state.oracle.replace(seq=_take(state.oracle.seq, slots))
@@ -239,7 +239,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     if k > 0:
         _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend)
         h1 = jnp.take_along_axis(hm, a[:, None, None], axis=1)[:, 0]
-        d1 = jnp.argmax(lm_head(params, h1), axis=-1).astype(jnp.int32)
+        d1 = jnp.argmax(lm_head(params, h1, backend.matmul), axis=-1).astype(jnp.int32)
         drafts, mtp = _draft_rest(params, cfg, k, d1, h1, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
         new = new.replace(mtp_carry=mtp, drafts=drafts)

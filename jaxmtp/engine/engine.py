@@ -108,7 +108,8 @@ class Engine:
         num_slots: concurrent requests held on the device.
         max_context: most tokens (prompt + output) per request; default min(8192, the model's maximum).
         num_draft_tokens: k; None picks :func:`jaxmtp.engine.policy.default_num_draft_tokens` (3 for dense models
-            with an MTP head up to 64 slots; less for MoE models at larger slot counts; 0 without an MTP head).
+            with an MTP head up to 64 slots, and for MoE models on the grouped-expert kernel; less for MoE models on the
+            XLA path at larger slot counts; 0 without an MTP head).
         prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...).
         steps_per_sync: speculative steps per device loop before the host reads tokens.
         max_prefill_batch: prompts prefilled together in one call.
@@ -121,7 +122,7 @@ class Engine:
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None):
         cfg = model.config
         if num_draft_tokens is None:
-            num_draft_tokens = default_num_draft_tokens(cfg, num_slots)
+            num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
             raise EngineConfigError(f"num_draft_tokens must be a non-negative integer, got {num_draft_tokens!r}")
         if num_draft_tokens > 0 and not cfg.has_mtp:

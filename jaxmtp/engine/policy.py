@@ -6,10 +6,13 @@ acceptance lengths published for Qwen3.5's MTP head (1.9 / 2.4 / 2.9 for k = 1 /
 
 * dense models: k = 3 is the fastest at batch 1 and still faster than plain decoding at batch 64 (4B: 2.3x at
   batch 1, 1.5x at 64; 27B: 2.5x at 1, 2.0x at 32). Larger slot counts were not measured: plain decoding there.
-* MoE models: a verify step multiplies the routed rows (slots x (k+1) x top-k), and without a grouped-matmul
-  kernel the expert matmuls cost about in proportion to them. 35B-A3B: batch 1, k = 3 (32 rows) costs 2.0x a plain
-  step and pays (1.45x at AL 2.9); batch 8, k = 1 (128 rows) costs 1.9x and gains nothing; batch 32, k = 3 costs
-  3.4x. So k is the largest value whose routed rows stay within an eighth of the experts, else 0.
+* MoE models with the grouped-expert kernel (``backend.moe`` not ``"xla"``, the GPU default): the expert matmuls
+  cost about the bytes of the experts touched, so speculation pays like in dense models. 35B-A3B, k = 3: 2.1x plain
+  at batch 1, 1.35x at 8, 1.8x at 32, 1.9x at 64 (k = 1 at batch 8: 1.28x).
+* MoE models on the XLA path (``ragged_dot``): a verify step multiplies the routed rows (slots x (k+1) x top-k) and
+  the expert matmuls cost about in proportion to them. 35B-A3B: batch 1, k = 3 (32 rows) costs 2.0x a plain step
+  and pays (1.45x at AL 2.9); batch 8, k = 1 (128 rows) costs 1.9x and gains nothing; batch 32, k = 3 costs 3.4x.
+  So there k is the largest value whose routed rows stay within an eighth of the experts, else 0.
 
 With a drafter that accepts less than published (AL below the step-cost ratio), pass ``num_draft_tokens``
 explicitly: every request's statistics report its measured acceptance.
@@ -23,10 +26,11 @@ DEFAULT_K = 3
 MAX_MEASURED_SLOTS = 64
 
 
-def default_num_draft_tokens(cfg: Qwen35Config, num_slots: int) -> int:
+def default_num_draft_tokens(cfg: Qwen35Config, num_slots: int, moe_kernel: bool = False) -> int:
+    """k for ``num_slots`` slots; ``moe_kernel``: the model's MoE layers run the grouped-expert kernel."""
     if not cfg.has_mtp or num_slots > MAX_MEASURED_SLOTS:
         return 0
-    if not cfg.is_moe:
+    if not cfg.is_moe or moe_kernel:
         return DEFAULT_K
     for k in range(DEFAULT_K, 0, -1):
         if num_slots * (k + 1) * cfg.num_experts_per_tok <= cfg.num_experts // 8:

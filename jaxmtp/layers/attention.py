@@ -14,6 +14,7 @@ from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import apply_rope
 from jaxmtp.pallas.attention import cached_attention
+from jaxmtp.pallas.matmul import linear
 
 
 @struct.dataclass
@@ -39,17 +40,20 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -
     return KVCache(new_k, new_v)
 
 
-def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla"):
-    """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache)."""
+def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
+                    matmul="xla"):
+    """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
+    ``implementation`` names the attention kernel, ``matmul`` the projections'."""
+    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = (x @ p["q_proj"]).reshape(b, t, hq, 2 * d)
+    qg = mm(x, p["q_proj"]).reshape(b, t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, hq * d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm((x @ p["k_proj"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
-    v = (x @ p["v_proj"]).reshape(b, t, hkv, d)
+    k = rms_norm(mm(x, p["k_proj"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
+    v = mm(x, p["v_proj"]).reshape(b, t, hkv, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv(cache, k, v, positions)
     o = cached_attention(q, cache.k, cache.v, positions, implementation=implementation)
     o = o.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return o @ p["o_proj"], cache
+    return mm(o, p["o_proj"]), cache

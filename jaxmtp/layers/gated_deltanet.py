@@ -17,6 +17,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
+from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
@@ -79,18 +80,21 @@ def gated_deltanet(
     form: str = "chunk",
     step_states: bool = False,
     implementation: str = "xla",
+    matmul: str = "xla",
 ):
     """One GDN mixer over a window.
 
     x: [B, T, H]; valid: [B, T] bool, a prefix of each row (right padding). ``form`` is ``"chunk"`` or
-    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
+    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry. ``implementation`` names the
+    gated delta rule kernel, ``matmul`` the projections'.
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = x @ p["in_proj_qkv"]  # [B, T, C], raw conv inputs
-    z = (x @ p["in_proj_z"]).reshape(b, t, hv, dv)
+    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    mixed = mm(x, p["in_proj_qkv"])  # [B, T, C], raw conv inputs
+    z = mm(x, p["in_proj_z"]).reshape(b, t, hv, dv)
     beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
     a = (x @ p["in_proj_a"]).astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
@@ -115,7 +119,7 @@ def gated_deltanet(
         raise ValueError(f"unknown GDN form {form!r}")
 
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    y = y @ p["out_proj"]
+    y = mm(y, p["out_proj"])
     if step_states:
         return y, GDNSteps(conv_inputs, states)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)

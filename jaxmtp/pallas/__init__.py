@@ -24,19 +24,21 @@ class Backend:
     gdn_chunk: str = "xla"
     gdn_recurrent: str = "xla"
     moe: str = "xla"
+    matmul: str = "xla"  # projections (jaxmtp.pallas.matmul.linear): the kernel serves few-row products only
 
 
 XLA = Backend()
 
 
-def resolve_backend(backend: "str | Backend" = "auto") -> Backend:
-    """``"xla"``: references; ``"auto"``: the fastest measured choice for the default device's platform."""
+def resolve_backend(backend: "str | Backend" = "auto", cfg=None) -> Backend:
+    """``"xla"``: references; ``"auto"``: the fastest measured choice for the default device's platform and, where
+    a choice depends on the model's shape, for ``cfg`` (a :class:`jaxmtp.config.Qwen35Config`)."""
     if isinstance(backend, Backend):
         return backend
     if backend == "xla":
         return XLA
     if backend == "auto":
-        return _auto_backend(_platform())
+        return _auto_backend(_platform(), cfg)
     raise ValueError(f"unknown backend {backend!r}; use 'auto', 'xla' or a jaxmtp.pallas.Backend")
 
 
@@ -50,13 +52,21 @@ def _platform() -> str:
 
 # Kernels are registered only where they beat the XLA reference on that platform (docs/performance.md, "Kernels").
 # NVIDIA GPU (H200, 2026-11-21): attention 1.3-2.8x faster at B = 8 and 2.4x at a 4k prefill (a tie at B = 1);
-# chunked GDN 3.7-6.6x; verify with step states 1.6-4.6x; plain decode faster at B = 8, mixed at B = 1 and 64.
+# chunked GDN 3.7-6.6x; verify with step states 1.6-4.6x; plain decode faster at B = 8, mixed at B = 1 and 64;
+# MoE grouped experts 3-20x faster than ragged_dot (35B-A3B shapes, 1-512 tokens).
+# The few-row matmul kernel (single-row products only, jaxmtp.pallas.matmul.KERNEL_MAX_ROWS) is picked for models
+# with hidden size <= MATMUL_KERNEL_MAX_HIDDEN: there XLA turns row-vector products into reductions that made the
+# 0.8B shape's batch-1 decode step 4.3x slower; at the 4B shape (2560) XLA's own choice was ~10% faster.
 # TPU kernels are proven in interpret mode only, so TPU keeps XLA.
-_AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON)}
+_AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON)}
+MATMUL_KERNEL_MAX_HIDDEN = 2048
 
 
-def _auto_backend(platform: str) -> Backend:
-    return _AUTO.get(platform, XLA)
+def _auto_backend(platform: str, cfg=None) -> Backend:
+    backend = _AUTO.get(platform, XLA)
+    if platform == "gpu" and cfg is not None and cfg.hidden_size <= MATMUL_KERNEL_MAX_HIDDEN:
+        backend = dataclasses.replace(backend, matmul=TRITON)
+    return backend
 
 
 __all__ = ["KERNELS", "MOSAIC_TPU", "MOSAIC_TPU_INTERPRET", "TRITON", "TRITON_INTERPRET", "XLA", "Backend",

@@ -1,0 +1,35 @@
+"""Projections ``x @ W``: the jnp reference, and a GPU kernel for few rows (decode and verify).
+
+``linear(x, w, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` / ``"triton_interpret"`` run
+:func:`skinny_matmul_triton` for products of at most ``KERNEL_MAX_ROWS`` rows whose weight is large enough to matter
+(>= 2^20 elements), else the reference. TPU names run the reference: XLA's TPU matmuls have no measured problem here (no TPU
+is available to measure one).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.matmul.reference import matmul_reference
+from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton, supports
+
+MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
+# Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
+# kernel fixes XLA's slow single-row products (batch-1 decode 7.8 -> 1.8 ms), but with 8-32 rows it was 5-10% slower
+# than XLA's gemms.
+KERNEL_MAX_ROWS = 1
+
+
+def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
+    """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    if implementation in (TRITON, TRITON_INTERPRET) and w.size >= MIN_WEIGHT_ELEMENTS:
+        n = w.shape[0] if transpose_w else w.shape[1]
+        rows = math.prod(x.shape[:-1])
+        if rows <= KERNEL_MAX_ROWS and supports(rows, x.shape[-1], n):
+            return skinny_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=out_dtype,
+                                        interpret=implementation == TRITON_INTERPRET)
+    return matmul_reference(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
+
+
+__all__ = ["linear", "matmul_reference", "skinny_matmul_triton", "supports"]

@@ -1,0 +1,102 @@
+"""Matmul for few rows (decode and verify) on GPU: Pallas with the Triton lowering, streaming the weight once.
+
+With M <= 64 rows a projection is a matrix-vector product bounded by reading W. Grid ``(N / BN, splits)``: each
+program owns a ``BN``-wide column slab of W and a share of the K axis, loops over it in ``BK`` steps (Triton
+pipelines the loads, ``num_stages`` deep) and multiplies the ``[Mp, BK]`` row tile by the ``[BK, BN]`` weight tile
+(rows padded to Mp >= 16, the smallest dot). With fewer column slabs than about two waves of programs the K axis is
+split and a jnp sum combines the float32 partials. ``transpose_w`` reads W stored ``[N, K]`` (a tied LM head, the
+embedding) as ``[BN, BK]`` tiles. XLA's own choices at these shapes measured 25-65% of HBM bandwidth on an H200
+(docs/performance.md, "Decode step profile").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jaxmtp.pallas._common import mm, next_pow2, work_dtype
+
+NUM_SMS = 132  # H100 / H200; sets how far the K axis is split
+MAX_ROWS = 64
+
+
+def supports(m: int, k: int, n: int) -> bool:
+    """Shapes the kernel takes: at most 64 rows, K a multiple of 64, N a multiple of 16."""
+    return 0 < m <= MAX_ROWS and k % 64 == 0 and n % 16 == 0
+
+
+def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
+    """Static tiling ``(Mp, BN, BK, splits)`` for an [m, k] x [k, n] product."""
+    mp = max(16, next_pow2(m))
+    bn = next(b for b in (128, 64, 32, 16) if n % b == 0)
+    if n // bn < num_sms and bn > 64:  # narrow slabs before splitting K
+        bn = 64
+    bk = 128 if k % 128 == 0 else 64
+    steps, tiles = k // bk, n // bn
+    want = math.ceil(2 * num_sms / tiles)  # about two waves of programs
+    splits = next((s for s in range(want, steps + 1) if steps % s == 0), steps) if want > 1 else 1
+    return mp, bn, bk, splits
+
+
+def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, dtype, interpret):
+    k0 = pl.program_id(1) * k_per_split
+    mp, bn = x_ref.shape[0], o_ref.shape[-1]
+
+    def body(i, acc):
+        off = pl.multiple_of(k0 + i * bk, bk)
+        xb = x_ref[:, pl.ds(off, bk)]
+        if transpose_w:
+            return acc + mm(xb, w_ref[:, pl.ds(off, bk)], tb=True, dtype=dtype, interpret=interpret)
+        return acc + mm(xb, w_ref[pl.ds(off, bk), :], dtype=dtype, interpret=interpret)
+
+    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
+                                             "num_warps", "num_stages", "interpret"))
+def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
+                         num_warps=None, num_stages=None, interpret=False):
+    """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    lead, kdim = x.shape[:-1], x.shape[-1]
+    n = w.shape[0] if transpose_w else w.shape[1]
+    m = math.prod(lead)
+    if not supports(m, kdim, n):
+        raise ValueError(f"unsupported skinny matmul shape: [{m}, {kdim}] x [{kdim}, {n}]")
+    mp, bn0, bk0, s0 = plan(m, kdim, n)
+    bn, bk = block_n or bn0, block_k or bk0
+    ns = splits or (s0 if block_n is None and block_k is None else 1)
+    if n % bn or kdim % (bk * ns):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
+    x2 = x.reshape(m, kdim)
+    if mp != m:
+        x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
+    w_spec = (pl.BlockSpec((bn, kdim), lambda j, s: (j, 0)) if transpose_w
+              else pl.BlockSpec((kdim, bn), lambda j, s: (0, j)))
+    if ns == 1:
+        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
+        out_spec = pl.BlockSpec((mp, bn), lambda j, s: (0, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((ns, mp, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j))
+    y = pl.pallas_call(
+        functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w,
+                          dtype=work_dtype(w.dtype), interpret=bool(interpret)),
+        out_shape=out_shape,
+        grid=(n // bn, ns),
+        in_specs=[pl.BlockSpec((mp, kdim), lambda j, s: (0, 0)), w_spec],
+        out_specs=out_spec,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 4),
+        interpret=interpret,
+        name="skinny_matmul",
+    )(x2, w)
+    if ns > 1:
+        y = jnp.sum(y, axis=0)
+    return y[:m].astype(out_dtype).reshape(*lead, n)

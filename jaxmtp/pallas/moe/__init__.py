@@ -1,0 +1,36 @@
+"""Routed experts of the MoE block: one API, a jnp reference and Pallas grouped-matmul kernels.
+
+``implementation``: ``"xla"`` (jnp reference: per-row gather of expert matrices or ``jax.lax.ragged_dot``),
+``"triton"`` (GPU), ``"mosaic_tpu"`` (TPU), or ``"triton_interpret"`` / ``"mosaic_tpu_interpret"`` for CPU tests.
+The kernels need H and I (the expert width) to be multiples of 16 and at least one token; other shapes use the
+reference.
+"""
+
+from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
+from jaxmtp.pallas.moe.reference import gathered_experts, moe_reference, ragged_experts
+
+
+def kernel_shapes_ok(x, gate_up) -> bool:
+    """Shapes the kernels take: N >= 1, H and I multiples of 16."""
+    return x.shape[0] > 0 and x.shape[1] % 16 == 0 and (gate_up.shape[-1] // 2) % 16 == 0
+
+
+def moe_experts(x, weights, experts, gate_up, down, *, implementation="xla"):
+    """Dispatch to an implementation; see :mod:`jaxmtp.pallas.moe.reference` for shapes."""
+    if implementation in (TRITON, TRITON_INTERPRET, MOSAIC_TPU, MOSAIC_TPU_INTERPRET) and not kernel_shapes_ok(
+            x, gate_up):
+        implementation = "xla"
+    if implementation in (TRITON, TRITON_INTERPRET):
+        from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton
+
+        return moe_experts_triton(x, weights, experts, gate_up, down, interpret=interpret_arg(implementation))
+    if implementation in (MOSAIC_TPU, MOSAIC_TPU_INTERPRET):
+        from jaxmtp.pallas.moe.grouped_tpu import moe_experts_tpu
+
+        return moe_experts_tpu(x, weights, experts, gate_up, down, interpret=interpret_arg(implementation))
+    if implementation == "xla":
+        return moe_reference(x, weights, experts, gate_up, down)
+    raise ValueError(f"unknown MoE implementation {implementation!r}")
+
+
+__all__ = ["gathered_experts", "kernel_shapes_ok", "moe_experts", "moe_reference", "ragged_experts"]

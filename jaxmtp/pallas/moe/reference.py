@@ -1,0 +1,54 @@
+"""Pure-jnp reference of the routed experts of an MoE block (the oracle of the Pallas kernels).
+
+    x:        [N, H]          token activations
+    weights:  [N, K]          routing weights (used as given: no renormalisation here)
+    experts:  [N, K] int32    expert of each (token, slot) pair, in [0, E)
+    gate_up:  [E, H, 2I]      columns [0, I) gate, [I, 2I) up
+    down:     [E, I, H]
+
+Returns ``y[n] = sum_k weights[n, k] * down_e(silu(x[n] @ gate_e) * (x[n] @ up_e))`` with ``e = experts[n, k]``,
+[N, H] in x.dtype. :func:`moe_reference` picks between a per-row gather of whole expert matrices (few rows) and
+``jax.lax.ragged_dot`` over token copies sorted by expert (more rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def moe_reference(x, weights, experts, gate_up, down):
+    """Few routed rows (N*K <= E/2, decode and verify at small batch): :func:`gathered_experts`, reading only the
+    experts in use; more rows: :func:`ragged_experts`."""
+    if experts.size <= gate_up.shape[0] // 2:
+        return gathered_experts(x, weights, experts, gate_up, down)
+    return ragged_experts(x, weights, experts, gate_up, down)
+
+
+def gathered_experts(x, weights, experts, gate_up, down):
+    """Per routed row: gather that expert's matrices and multiply (bytes ~ rows x one expert)."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # [N*K, H]
+    h = jnp.einsum("rh,rhj->rj", rows, gate_up[flat])
+    i = gate_up.shape[-1] // 2
+    act = jax.nn.silu(h[:, :i]) * h[:, i:]
+    y = jnp.einsum("ri,rih->rh", act, down[flat]).reshape(n, k, -1)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights.astype(jnp.float32)).astype(x.dtype)
+
+
+def ragged_experts(x, weights, experts, gate_up, down):
+    """Token copies sorted by expert, multiplied group by group with ``jax.lax.ragged_dot``, weighted and scattered
+    back."""
+    n, k = experts.shape
+    num_experts, _, two_i = gate_up.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[token], gate_up, group_sizes)
+    i = two_i // 2
+    act = jax.nn.silu(h[:, :i]) * h[:, i:]
+    y = jax.lax.ragged_dot(act, down, group_sizes)  # [N*K, H]
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)

@@ -1,0 +1,102 @@
+"""Few-row matmul kernel (GPU Triton variant, run by the Pallas interpreter) against a float64 numpy product:
+row counts that are not powers of two, W stored [K, N] or [N, K], split K, float32 and bf16 operands, float32 output
+from bf16 operands; the dispatcher's fallbacks; and a small model whose projections run through the kernel.
+
+The interpreter fills output buffers with NaN before the kernel runs, so unwritten elements fail the check.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmtp.pallas.matmul as matmul_mod
+from jaxmtp.model import forward, init_carry, init_params
+from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas.matmul import linear, matmul_reference, skinny_matmul_triton
+from jaxmtp.pallas.matmul.skinny_triton import plan
+
+from test_pallas_model import small_config
+
+
+def _check(got, x, w, transpose_w, tol):
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = x64 @ (w64.T if transpose_w else w64)
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN) or non-finite output elements"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+@pytest.mark.parametrize("m,k,n,transpose_w,splits", [
+    (1, 128, 48, False, 1), (3, 192, 96, False, 3), (17, 128, 64, True, 2), (64, 64, 32, False, 1),
+    (5, 256, 16, True, 4),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_matches_float64(rng, m, k, n, transpose_w, splits, dtype):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) / np.sqrt(k), dtype)
+    bn = 32 if n % 32 == 0 else 16
+    y = skinny_matmul_triton(x, w, transpose_w=transpose_w, block_n=bn, block_k=64, splits=splits, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _check(y, x, w, transpose_w, 1e-6 if dtype == jnp.float32 else 1e-2)
+    if dtype == jnp.bfloat16:  # float32 output keeps the float32 accumulator: only operand rounding remains
+        y32 = skinny_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=jnp.float32, block_n=bn, block_k=64,
+                                   splits=splits, interpret=True)
+        assert y32.dtype == jnp.float32
+        _check(y32, x, w, transpose_w, 1e-5)
+
+
+def test_default_plan_and_leading_axes(rng):
+    x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)  # [B, T, K] -> 6 rows
+    w = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+    y = skinny_matmul_triton(x, w, interpret=True)
+    assert y.shape == (2, 3, 64)
+    _check(y.reshape(6, 64), x.reshape(6, 128), w, False, 1e-6)
+    mp, bn, bk, splits = plan(1, 2560, 9216)
+    assert mp == 16 and 9216 % bn == 0 and 2560 % (bk * splits) == 0
+
+
+def test_dispatch_falls_back_where_the_kernel_does_not_apply(rng, monkeypatch):
+    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)
+    w = jnp.asarray(rng.standard_normal((128, 48)), jnp.float32)
+    for rows, k in ((65, 128), (4, 100)):  # too many rows; K not a multiple of 64
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        wk = jnp.asarray(rng.standard_normal((k, 48)), jnp.float32)
+        np.testing.assert_array_equal(linear(x, wk, implementation="triton_interpret"), matmul_reference(x, wk))
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    np.testing.assert_allclose(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w), atol=1e-5)
+    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 1)  # more rows than the kernel is used for
+    np.testing.assert_array_equal(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w))
+    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)
+    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 1 << 20)  # small weights stay with XLA
+    np.testing.assert_array_equal(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w))
+
+
+def test_model_projections_through_the_kernel(rng, monkeypatch):
+    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 0)  # the small model's weights all qualify by size
+    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)  # and the 2-row decode and 6-row verify use the kernel
+    calls = []
+    real = matmul_mod.skinny_matmul_triton
+    monkeypatch.setattr(matmul_mod, "skinny_matmul_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = small_config()
+    params = init_params(cfg, jax.random.key(1), jnp.float32, scale=0.1)
+    b, t0, cap = 2, 9, 16
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 4)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t0 + 4, dtype=jnp.int32), ids.shape)
+
+    def run(backend):
+        fwd = functools.partial(forward, cfg=cfg, backend=backend)
+        _, _, carry = fwd(params, ids[:, :t0], pos[:, :t0], init_carry(cfg, b, cap, jnp.float32))
+        dec, _, carry = fwd(params, ids[:, t0:t0 + 1], pos[:, t0:t0 + 1], carry)  # decode: 2 rows
+        ver, _, _ = fwd(params, ids[:, t0 + 1:], pos[:, t0 + 1:], carry, step_states=True)  # verify: 6 rows
+        return dec, ver
+
+    want = run(XLA)
+    got = run(Backend(matmul="triton_interpret"))
+    assert calls, "the kernel was never used"
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4, rtol=0)
