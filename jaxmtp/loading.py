@@ -176,7 +176,7 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
         tokenizer=_load_tokenizer(path),
         path=path,
         dtype=dtype,
-        backend=resolve_backend(backend, cfg),
+        backend=resolve_backend(backend, cfg, dtype),
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         chat_template=_chat_template(path),
     )

@@ -80,7 +80,7 @@ def hbm_bandwidth() -> float:
 def random_model(cfg, dtype, backend) -> Model:
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
     jax.block_until_ready(params)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg))
+    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg, dtype))
 
 
 def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2) -> dict:

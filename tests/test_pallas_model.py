@@ -70,5 +70,9 @@ def test_backend_registry():
     assert _auto_backend("gpu", small).matmul == "triton"  # XLA's single-row products are slow at small hidden
     assert _auto_backend("gpu", large).matmul == "xla"
     assert _auto_backend("cpu", small) == XLA
+    real_heads = dataclasses.replace(small, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128)
+    assert _auto_backend("gpu", real_heads, jnp.float32) == XLA  # kernels are tiled for 16-bit weights
+    assert _auto_backend("gpu", small, jnp.float32).attention == gpu.attention  # small heads fit in float32
+    assert _auto_backend("gpu", small, jnp.bfloat16).attention == gpu.attention
     with pytest.raises(ValueError):
         resolve_backend("fast")

@@ -30,15 +30,15 @@ class Backend:
 XLA = Backend()
 
 
-def resolve_backend(backend: "str | Backend" = "auto", cfg=None) -> Backend:
+def resolve_backend(backend: "str | Backend" = "auto", cfg=None, dtype=None) -> Backend:
     """``"xla"``: references; ``"auto"``: the fastest measured choice for the default device's platform and, where
-    a choice depends on the model's shape, for ``cfg`` (a :class:`jaxmtp.config.Qwen35Config`)."""
+    a choice depends on the model, for ``cfg`` (a :class:`jaxmtp.config.Qwen35Config`) and the weights' ``dtype``."""
     if isinstance(backend, Backend):
         return backend
     if backend == "xla":
         return XLA
     if backend == "auto":
-        return _auto_backend(_platform(), cfg)
+        return _auto_backend(_platform(), cfg, dtype)
     raise ValueError(f"unknown backend {backend!r}; use 'auto', 'xla' or a jaxmtp.pallas.Backend")
 
 
@@ -57,12 +57,17 @@ def _platform() -> str:
 # The few-row matmul kernel (single-row products only, jaxmtp.pallas.matmul.KERNEL_MAX_ROWS) is picked for models
 # with hidden size <= MATMUL_KERNEL_MAX_HIDDEN: there XLA turns row-vector products into reductions that made the
 # 0.8B shape's batch-1 decode step 4.3x slower; at the 4B shape (2560) XLA's own choice was ~10% faster.
-# TPU kernels are proven in interpret mode only, so TPU keeps XLA.
+# The GPU kernels' tiles are sized for 16-bit weights: float32 at real head sizes (attention head_dim 256, GDN heads
+# 128) exceeded the H200's shared memory, so such float32 models keep XLA; float32 at the default model's sizes
+# (64) ran (docs/default_model.md). TPU kernels are proven in interpret mode only, so TPU keeps XLA.
 _AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON)}
 MATMUL_KERNEL_MAX_HIDDEN = 2048
 
 
-def _auto_backend(platform: str, cfg=None) -> Backend:
+def _auto_backend(platform: str, cfg=None, dtype=None) -> Backend:
+    if dtype is not None and jax.numpy.dtype(dtype).itemsize > 2 and cfg is not None and (
+            cfg.head_dim > 128 or max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) > 64):
+        return XLA
     backend = _AUTO.get(platform, XLA)
     if platform == "gpu" and cfg is not None and cfg.hidden_size <= MATMUL_KERNEL_MAX_HIDDEN:
         backend = dataclasses.replace(backend, matmul=TRITON)

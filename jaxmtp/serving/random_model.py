@@ -44,4 +44,4 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto") -> 
     dtype = jnp.dtype(dtype)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
     return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
-                 backend=resolve_backend(backend, cfg))
+                 backend=resolve_backend(backend, cfg, dtype))
