@@ -116,8 +116,10 @@ def get_engine(model: Model, *, num_slots: int, max_context: int, num_draft_toke
     cache = model.__dict__.setdefault("_engines", {})
     key = (num_slots, max_context, num_draft_tokens, steps_per_sync, prefill_chunk)
     if key not in cache:
+        # No slot buckets: the slot count already matches the call's batch, and compiling smaller steps as
+        # requests finish would cost more than it saves in one call.
         cache[key] = Engine(model, num_slots=num_slots, max_context=max_context, num_draft_tokens=num_draft_tokens,
-                            steps_per_sync=steps_per_sync, prefill_chunk=prefill_chunk)
+                            steps_per_sync=steps_per_sync, prefill_chunk=prefill_chunk, slot_buckets=False)
     return cache[key]
 
 

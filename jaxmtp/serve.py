@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int, default=256, help="largest prompt chunk per prefill call")
     g.add_argument("--steps-per-sync", type=int, default=8, help="speculative steps per device loop")
     g.add_argument("--max-prefill-batch", type=int, default=None, help="prompts prefilled together")
+    g.add_argument("--no-slot-buckets", dest="slot_buckets", action="store_false",
+                   help="always step every slot (default: the smallest power-of-two prefix of slots holding every "
+                        "busy one; warm-up compiles one step per prefix size)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory (faster restarts)")
     g = ap.add_argument_group("limits")
@@ -74,7 +77,7 @@ def _config_from_args(args):
     return ServerConfig(
         host=args.host, port=args.port, num_slots=args.slots, max_context=args.max_context,
         num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, steps_per_sync=args.steps_per_sync,
-        max_prefill_batch=args.max_prefill_batch, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+        max_prefill_batch=args.max_prefill_batch, slot_buckets=args.slot_buckets, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_message_bytes=args.max_message_bytes, max_request_seconds=args.max_request_seconds,
         drain_grace=args.drain_grace, served_model_name=args.served_model_name)
@@ -107,7 +110,8 @@ async def serve(args) -> int:
              info.family, info.num_hidden_layers, info.hidden_size, info.vocab_size, info.num_parameters / 1e9,
              info.dtype, info.model_path or "-")
     log.info("engine: %d slots x %d tokens of context, k=%d draft tokens, prefill chunk %d, %d steps per sync, "
-             "backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk, e.steps_per_sync, info.backend)
+             "slot buckets %s, backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk, e.steps_per_sync,
+             e.slot_buckets, info.backend)
     log.info("limits: queue %d, prompt %d tokens, max_tokens <= %d (default %d), messages <= %d bytes, request "
              "time %s, drain grace %.1f s", config.max_queue, server.max_prompt_tokens, server.max_new_tokens_limit,
              server.default_max_tokens, config.max_message_bytes,

@@ -181,6 +181,30 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     }
 
 
+def bench_lone_request(model, slots: int, k: int, context: int, syncs: int, steps_per_sync: int) -> dict:
+    """One busy slot (slot 0) in an engine of ``slots``: the step over every slot against the step over the
+    smallest slot bucket (the engine's default since slot buckets), and an engine of one slot."""
+    out = {"slots": slots, "k": k, "context": context}
+    room = steps_per_sync * (syncs + 2) * (k + 1) + 16
+    for name, n_slots in (("all_slots", slots), ("bucket", slots), ("one_slot_engine", 1)):
+        eng = Engine(model, num_slots=n_slots, max_context=context + room, num_draft_tokens=k,
+                     steps_per_sync=steps_per_sync, check_memory=False)
+        fill_synthetic(eng, context, 3)
+        eng.state = eng.state.replace(active=eng.state.active.at[1:].set(False))
+        run = eng._run_prefix[1] if name == "bucket" else eng._run
+        eng.state, o = run(model.params, eng.state)
+        jax.block_until_ready(o)
+        times = []
+        for _ in range(syncs):
+            t0 = time.perf_counter()
+            eng.state, o = run(model.params, eng.state)
+            jax.device_get(o)
+            times.append(time.perf_counter() - t0)
+        out[name + "_step_ms"] = float(np.median(times)) / steps_per_sync * 1e3
+        del eng
+    return out
+
+
 def bench_engine(model, k: int, prompt_len: int, new_tokens: int) -> dict:
     """One real request through Engine.step() (prefill, decode loops, host work): end-to-end output tokens/s."""
     eng = Engine(model, num_slots=1, max_context=prompt_len + new_tokens + 8, num_draft_tokens=k,
@@ -262,6 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)
+    ap.add_argument("--lone", default="", help="slots:k pairs, e.g. 32:3;8:0: one busy slot, full step vs bucket")
     ap.add_argument("--hf", default="", help="batches for the transformers comparison, e.g. 1,32")
     ap.add_argument("--hf-models", default=None)
     ap.add_argument("--hf-only", action="store_true",
@@ -338,6 +363,16 @@ def main(argv=None) -> int:
                 r = {"batch": batch, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             entry["steps"].append(r)
             print("step", json.dumps({x: r[x] for x in r if x != "bytes_needed"}), flush=True)
+            save()
+        for slots, k in (parse_grid(args.lone) if args.lone else []):
+            if over():
+                break
+            try:
+                r = bench_lone_request(model, slots, k, args.context, args.syncs, args.steps_per_sync)
+            except Exception as e:  # noqa: BLE001
+                r = {"slots": slots, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            entry.setdefault("lone_request", []).append(r)
+            print("lone", json.dumps(r), flush=True)
             save()
         engine_models = set(filter(None, (args.engine_models or args.models).split(",")))
         for k in [int(x) for x in args.engine_ks.split(",") if x] if name in engine_models else []:

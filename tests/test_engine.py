@@ -26,7 +26,9 @@ def run(engine, prompts, params, continuations=None):
     return [(toks[r], final[r]) for r in rids]
 
 
-SETTINGS = dict(num_slots=4, max_context=96, prefill_chunk=16, steps_per_sync=3, max_prefill_batch=1)
+# Slot buckets off: one compiled step per engine keeps the suite fast; test_slot_buckets_* covers them.
+SETTINGS = dict(num_slots=4, max_context=96, prefill_chunk=16, steps_per_sync=3, max_prefill_batch=1,
+                slot_buckets=False)
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +256,23 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree_util.tree_leaves(tree)
+
+
+def test_slot_buckets_give_the_same_tokens_as_full_steps(models, rng):
+    """Steps over the busy prefix of slots (1, 2, 4) equal steps over every slot: greedy and seeded sampling,
+    requests finishing at different times (the prefix shrinks), a queue refilling freed slots, and requests moved
+    from high slots into free low ones (their carries, drafts and sampling state move with them)."""
+    prompts = mixed_prompts(rng, (7, 19, 4, 26, 11, 3))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=t, seed=i)
+              for i, (n, t) in enumerate([(5, 0.0), (17, 0.9), (9, 0.0), (23, 0.7), (12, 0.0), (30, 1.1)])]
+    outs = {}
+    for buckets in (False, True):
+        eng = Engine(models["dense"], num_draft_tokens=2, **{**SETTINGS, "slot_buckets": buckets})
+        outs[buckets] = [t for t, _ in run(eng, prompts, params)]
+        if buckets:
+            ran_on_prefix = {name for name in eng.trace_counts if name.startswith("step[")}
+            assert ran_on_prefix, "no step ran on a prefix of the slots"
+            assert all(eng.trace_counts[n] == 1 for n in ran_on_prefix)
+            assert eng.trace_counts["move"] == 1
+    assert outs[True] == outs[False]
+    assert [len(t) for t in outs[True]] == [p.max_new_tokens for p in params]

@@ -247,6 +247,40 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
                  "reason": reason, "was_active": act}
 
 
+def move_slots(state: SlotState, src, dst) -> SlotState:
+    """Move slots ``src[i]`` to ``dst[i]`` (every per-slot field, carries included) and leave ``src`` inactive.
+
+    src/dst: [M] int32, disjoint, padded with out-of-range ids (ignored). Lets the host pack busy slots low, so that
+    steps can run over a small prefix of the slots.
+    """
+    oracle = state.oracle
+    move = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")  # noqa: E731
+    new = jax.tree.map(move, state.replace(oracle=None))
+    new = new.replace(active=new.active.at[src].set(False, mode="drop"))
+    return new.replace(oracle=None if oracle is None else oracle.replace(seq=move(oracle.seq)))
+
+
+def slot_prefix(state: SlotState, n: int) -> SlotState:
+    """The state of slots ``0 .. n-1`` (the oracle's corruption distribution and seed are shared, not per slot)."""
+    oracle = state.oracle
+    sub = jax.tree.map(lambda a: a[:n], state.replace(oracle=None))
+    return sub if oracle is None else sub.replace(oracle=oracle.replace(seq=oracle.seq[:n]))
+
+
+def set_slot_prefix(state: SlotState, sub: SlotState) -> SlotState:
+    """``state`` with slots ``0 .. n-1`` replaced by ``sub`` (n = sub's slot count)."""
+    n = sub.length.shape[0]
+    new = jax.tree.map(lambda a, b: a.at[:n].set(b), state.replace(oracle=None), sub.replace(oracle=None))
+    return new.replace(oracle=state.oracle)
+
+
+def run_steps_on_prefix(params, state: SlotState, *, n: int, **kw):
+    """:func:`run_steps` over slots ``0 .. n-1`` only (the others must be inactive): a step then costs what n slots
+    cost, at the price of copying those slots' state out and back once per call. Outputs have n slot columns."""
+    sub, out = run_steps(params, slot_prefix(state, n), **kw)
+    return set_slot_prefix(state, sub), out
+
+
 def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend):
     """``num_steps`` speculative steps in one device loop (steps with no active slot are skipped).
 

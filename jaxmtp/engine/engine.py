@@ -100,6 +100,15 @@ class _Request:
     oracle: np.ndarray | None = None  # prompt + reference continuation (oracle drafts)
 
 
+def _slot_buckets(num_slots: int) -> list[int]:
+    """1, 2, 4, ... below ``num_slots``, then ``num_slots``."""
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return out + [num_slots]
+
+
 class Engine:
     """Continuous-batching speculative decoding over a fixed number of slots.
 
@@ -113,13 +122,16 @@ class Engine:
         prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...).
         steps_per_sync: speculative steps per device loop before the host reads tokens.
         max_prefill_batch: prompts prefilled together in one call.
+        slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
+            slot, each prefix compiled once (``warmup`` compiles them all); False: always all slots.
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.device.Oracle` drafts with this
             distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
     """
 
     def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
                  num_draft_tokens: int | None = None, prefill_chunk: int = 256, steps_per_sync: int = 8,
-                 max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None):
+                 max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None,
+                 slot_buckets: bool = True):
         cfg = model.config
         if num_draft_tokens is None:
             num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
@@ -173,6 +185,16 @@ class Engine:
         self._run = jax.jit(counted("step", functools.partial(device.run_steps, cfg=cfg, k=self.k,
                                                               num_steps=steps_per_sync, backend=backend)),
                             donate_argnums=1)
+        # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
+        # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
+        self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
+        self._move = jax.jit(counted("move", device.move_slots), donate_argnums=0)
+        self._run_prefix = {
+            n: jax.jit(counted(f"step[{n}]", functools.partial(device.run_steps_on_prefix, n=n, cfg=cfg, k=self.k,
+                                                                num_steps=steps_per_sync, backend=backend)),
+                       donate_argnums=1)
+            for n in self.slot_buckets if n < num_slots
+        }
 
         self._lock = threading.RLock()
         self._queue: collections.deque[_Request] = collections.deque()
@@ -384,13 +406,35 @@ class Engine:
         self._free(done_slots)
         return True
 
+    def _pack_slots(self) -> int:
+        """With slot buckets: move busy requests from slots past the smallest bucket that could hold them all into
+        free slots below it (one device copy of those slots' state). Returns the bucket width to step over."""
+        busy = [s for s, r in enumerate(self._slots) if r is not None and not r.done]
+        width = next(b for b in self.slot_buckets if b >= max(len(busy), 1))
+        if not busy or busy[-1] < width or width == self.num_slots:
+            return next(b for b in self.slot_buckets if b > (busy[-1] if busy else 0))
+        movers = [s for s in busy if s >= width]
+        free = [s for s in range(width) if self._slots[s] is None][: len(movers)]
+        if len(free) < len(movers):  # slots of finished requests not yet freed: step over what is busy
+            return next(b for b in self.slot_buckets if b > busy[-1])
+        src = np.full((self.num_slots,), self.num_slots, np.int32)
+        dst = np.full((self.num_slots,), self.num_slots, np.int32)
+        src[: len(movers)], dst[: len(movers)] = movers, free
+        self.state = self._move(self.state, jnp.asarray(src), jnp.asarray(dst))
+        for a, b in zip(movers, free):
+            req = self._slots[a]
+            req.slot, self._slots[b], self._slots[a] = b, req, None
+        return width
+
     def _decode(self, outputs):
-        self.state, out = self._run(self.model.params, self.state)
+        width = self._pack_slots() if len(self.slot_buckets) > 1 else self.num_slots
+        run = self._run_prefix.get(width, self._run)
+        self.state, out = run(self.model.params, self.state)
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
         for step in range(self.steps_per_sync):
-            for s, r in enumerate(self._slots):
+            for s, r in enumerate(self._slots[:width]):
                 if r is None or r.done or not out["was_active"][step, s]:
                     continue
                 n = int(out["n_emit"][step, s])
@@ -470,6 +514,11 @@ class Engine:
                 break
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
         self.state, out = self._run(self.model.params, self.state)
+        for run in self._run_prefix.values():
+            self.state, out = run(self.model.params, self.state)
+        if self._run_prefix:
+            none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
+            self.state = self._move(self.state, none, none)
         jax.block_until_ready(out)
         ids = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
         self.state = self._deactivate(self.state, ids)

@@ -66,6 +66,7 @@ class ServerConfig:
     prefill_chunk: int = 256
     steps_per_sync: int = 8
     max_prefill_batch: int | None = None
+    slot_buckets: bool = True
     max_queue: int = 256
     max_prompt_tokens: int | None = None
     max_new_tokens_limit: int | None = None
@@ -176,7 +177,8 @@ class GenerationServer:
         self.model = model
         self.engine = Engine(model, num_slots=cfg.num_slots, max_context=cfg.max_context,
                              num_draft_tokens=cfg.num_draft_tokens, prefill_chunk=cfg.prefill_chunk,
-                             steps_per_sync=cfg.steps_per_sync, max_prefill_batch=cfg.max_prefill_batch)
+                             steps_per_sync=cfg.steps_per_sync, max_prefill_batch=cfg.max_prefill_batch,
+                             slot_buckets=cfg.slot_buckets)
         mc = self.engine.max_context
         self.max_prompt_tokens = min(cfg.max_prompt_tokens or mc - 1, mc - 1)
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or mc
