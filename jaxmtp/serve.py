@@ -77,7 +77,8 @@ def _config_from_args(args):
     return ServerConfig(
         host=args.host, port=args.port, num_slots=args.slots, max_context=args.max_context,
         num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, steps_per_sync=args.steps_per_sync,
-        max_prefill_batch=args.max_prefill_batch, slot_buckets=args.slot_buckets, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
+        max_prefill_batch=args.max_prefill_batch, slot_buckets=args.slot_buckets, max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_message_bytes=args.max_message_bytes, max_request_seconds=args.max_request_seconds,
         drain_grace=args.drain_grace, served_model_name=args.served_model_name)

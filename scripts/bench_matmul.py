@@ -6,8 +6,8 @@
 
 For every weight of the 0.8B, 4B and 27B shapes (MLP gate/up and down, GDN in_proj_qkv and out_proj, attention
 q_proj and o_proj, the tied LM head read as ``[V, H]``) and every row count: the kernel's error against a float64
-product, its time with the default tiling, XLA's time for the same product, and the bandwidth of reading W once. ``--sweep`` also times a grid of tilings (the data
-behind ``skinny_triton.plan``) at 1 row. Times are device kernel time from a profiler trace (scripts/devtime.py).
+product, its time with the default tiling, XLA's time for the same product, and the bandwidth of reading W once.
+``--sweep`` also times a grid of tilings (the data behind ``skinny_triton.plan``) at 1 row. Times are device kernel time from a profiler trace (scripts/devtime.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         res["rows"].append(row)
         save()
         print(f"{model:5s} {name:16s} M={m:3d} err {err:.1e}  xla {row['xla_s'] * 1e6:8.1f} us "
-              f"({row['xla_gb_per_s']:.0f} GB/s)  kernel {row['kernel_s'] * 1e6:8.1f} us ({row['kernel_gb_per_s']:.0f} GB/s)"
+              f"({row['xla_gb_per_s']:.0f} GB/s)  kernel {row['kernel_s'] * 1e6:8.1f} us "
+              f"({row['kernel_gb_per_s']:.0f} GB/s)"
               + (f"  best {row['best']}" if row.get("best") else ""), flush=True)
     save()
     return 0

@@ -85,8 +85,8 @@ def gated_deltanet(
     """One GDN mixer over a window.
 
     x: [B, T, H]; valid: [B, T] bool, a prefix of each row (right padding). ``form`` is ``"chunk"`` or
-    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry. ``implementation`` names the
-    gated delta rule kernel, ``matmul`` the projections'.
+    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
+    ``implementation`` names the gated delta rule kernel, ``matmul`` the projections'.
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape

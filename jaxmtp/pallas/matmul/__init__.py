@@ -2,8 +2,8 @@
 
 ``linear(x, w, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` / ``"triton_interpret"`` run
 :func:`skinny_matmul_triton` for products of at most ``KERNEL_MAX_ROWS`` rows whose weight is large enough to matter
-(>= 2^20 elements), else the reference. TPU names run the reference: XLA's TPU matmuls have no measured problem here (no TPU
-is available to measure one).
+(>= 2^20 elements), else the reference. TPU names run the reference: XLA's TPU matmuls have no measured problem
+here (no TPU is available to measure one).
 """
 
 from __future__ import annotations
