@@ -341,11 +341,8 @@ def section_model():
     """Small random Qwen3.5 models (real head sizes; dense and MoE): prefill, decode and verify with every kernel vs
     the XLA path, bf16. The few-row matmul kernel is used here for every product of up to 64 rows (the default uses
     it for single rows only), so that decode and verify exercise it."""
-    import jaxmtp.pallas.matmul as matmul_mod
     from jaxmtp.config import FULL, LINEAR, Qwen35Config
-    from jaxmtp.layers.gated_deltanet import GDNSteps
-    from jaxmtp.model import forward, init_carry, init_params
-    from jaxmtp.pallas import XLA, Backend
+    from jaxmtp.pallas import Backend
 
     sm = ARGS.smoke
     dense = Qwen35Config(
@@ -362,10 +359,15 @@ def section_model():
     for label, cfg in (("dense", dense), ("moe", moe)):
         if out_of_time("model"):
             return
-        _model_check(label, cfg, kernels, forward, init_carry, init_params, GDNSteps, XLA, matmul_mod)
+        _model_check(label, cfg, kernels)
 
 
-def _model_check(label, cfg, kernels, forward, init_carry, init_params, GDNSteps, XLA, matmul_mod):
+def _model_check(label, cfg, kernels):
+    import jaxmtp.pallas.matmul as matmul_mod
+    from jaxmtp.layers.gated_deltanet import GDNSteps
+    from jaxmtp.model import forward, init_carry, init_params
+    from jaxmtp.pallas import XLA
+
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     b, t0, cap = 2, 200, 256
     rng = np.random.default_rng(0)

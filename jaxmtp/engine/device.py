@@ -247,31 +247,33 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
                  "reason": reason, "was_active": act}
 
 
+def _map_slot_arrays(fn, state: SlotState, *others: SlotState) -> SlotState:
+    """``fn`` over every per-slot array of ``state`` (and the matching arrays of ``others``). The oracle's
+    reference rows are per slot; its corruption distribution and seed are shared and kept from ``state``."""
+    rows = lambda s: s.replace(oracle=None if s.oracle is None else s.oracle.seq)  # noqa: E731
+    out = jax.tree.map(fn, rows(state), *map(rows, others))
+    return out.replace(oracle=None if state.oracle is None else state.oracle.replace(seq=out.oracle))
+
+
 def move_slots(state: SlotState, src, dst) -> SlotState:
     """Move slots ``src[i]`` to ``dst[i]`` (every per-slot field, carries included) and leave ``src`` inactive.
 
     src/dst: [M] int32, disjoint, padded with out-of-range ids (ignored). Lets the host pack busy slots low, so that
     steps can run over a small prefix of the slots.
     """
-    oracle = state.oracle
-    move = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")  # noqa: E731
-    new = jax.tree.map(move, state.replace(oracle=None))
-    new = new.replace(active=new.active.at[src].set(False, mode="drop"))
-    return new.replace(oracle=None if oracle is None else oracle.replace(seq=move(oracle.seq)))
+    new = _map_slot_arrays(lambda a: _put(a, dst, _take(a, src)), state)
+    return new.replace(active=new.active.at[src].set(False, mode="drop"))
 
 
 def slot_prefix(state: SlotState, n: int) -> SlotState:
-    """The state of slots ``0 .. n-1`` (the oracle's corruption distribution and seed are shared, not per slot)."""
-    oracle = state.oracle
-    sub = jax.tree.map(lambda a: a[:n], state.replace(oracle=None))
-    return sub if oracle is None else sub.replace(oracle=oracle.replace(seq=oracle.seq[:n]))
+    """The state of slots ``0 .. n-1``."""
+    return _map_slot_arrays(lambda a: a[:n], state)
 
 
 def set_slot_prefix(state: SlotState, sub: SlotState) -> SlotState:
     """``state`` with slots ``0 .. n-1`` replaced by ``sub`` (n = sub's slot count)."""
     n = sub.length.shape[0]
-    new = jax.tree.map(lambda a, b: a.at[:n].set(b), state.replace(oracle=None), sub.replace(oracle=None))
-    return new.replace(oracle=state.oracle)
+    return _map_slot_arrays(lambda a, b: a.at[:n].set(b), state, sub)
 
 
 def run_steps_on_prefix(params, state: SlotState, *, n: int, **kw):

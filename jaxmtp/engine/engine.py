@@ -410,13 +410,14 @@ class Engine:
         """With slot buckets: move busy requests from slots past the smallest bucket that could hold them all into
         free slots below it (one device copy of those slots' state). Returns the bucket width to step over."""
         busy = [s for s, r in enumerate(self._slots) if r is not None and not r.done]
-        width = next(b for b in self.slot_buckets if b >= max(len(busy), 1))
-        if not busy or busy[-1] < width or width == self.num_slots:
-            return next(b for b in self.slot_buckets if b > (busy[-1] if busy else 0))
+        covering = next(b for b in self.slot_buckets if b > (busy[-1] if busy else 0))  # steps as they stand
+        width = next(b for b in self.slot_buckets if b >= max(len(busy), 1))  # after packing
+        if width == covering:
+            return width
         movers = [s for s in busy if s >= width]
         free = [s for s in range(width) if self._slots[s] is None][: len(movers)]
         if len(free) < len(movers):  # slots of finished requests not yet freed: step over what is busy
-            return next(b for b in self.slot_buckets if b > busy[-1])
+            return covering
         src = np.full((self.num_slots,), self.num_slots, np.int32)
         dst = np.full((self.num_slots,), self.num_slots, np.int32)
         src[: len(movers)], dst[: len(movers)] = movers, free

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.pallas.matmul import linear
-from jaxmtp.pallas.moe import gathered_experts, moe_experts, ragged_experts  # noqa: F401  (re-exported)
+from jaxmtp.pallas.moe import moe_experts
 
 
 def dense_mlp(p, x: jax.Array, matmul: str = "xla") -> jax.Array:
@@ -30,25 +30,15 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool):
     return weights, experts
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    implementation: str = "xla"):
-    """Routed expert output, computing each expert only on the tokens routed to it.
-
-    x: [N, H]; weights/experts: [N, K]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [N, H].
-    ``implementation`` as in :func:`jaxmtp.pallas.moe.moe_experts`: ``"xla"`` gathers each row's expert weights
-    for few routed rows (N*K <= E/2) and uses ``jax.lax.ragged_dot`` otherwise; the kernels run grouped matmuls.
-    """
-    return moe_experts(x, weights, experts, gate_up, down, implementation=implementation)
-
-
 def moe_mlp(p, cfg: Qwen35Config, x: jax.Array, implementation: str = "xla", matmul: str = "xla") -> jax.Array:
-    """Sparse MoE block for x [..., H]: routed experts (``implementation``: see :func:`grouped_experts`) plus the
+    """Sparse MoE block for x [..., H]: routed experts (``implementation``: see :func:`jaxmtp.pallas.moe.moe_experts`) plus the
     sigmoid-gated shared expert (``matmul``: its projections)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, experts = route(x2 @ p["gate"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     ex = p["experts"]
-    routed = grouped_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"], implementation)
+    routed = moe_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"],
+                         implementation=implementation)
     shared = dense_mlp(p["shared_expert"], x2, matmul)
     shared = jax.nn.sigmoid((x2 @ p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
     return (routed + shared).reshape(shape)
