@@ -15,6 +15,7 @@ import numpy as np
 from jaxmtp import checkpoint
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.model import forward, init_carry, init_mtp_carry, mtp_forward
+from jaxmtp.param_layout import serving_layout
 from jaxmtp.pallas import Backend, resolve_backend
 
 
@@ -76,8 +77,10 @@ class Model:
     def _draft_fn(self):
         cfg = self.config
 
-        @jax.jit
-        def run(params, tokens, hidden):
+        @functools.partial(jax.jit, static_argnums=3)
+        def run(params, tokens, hidden, exact_head):
+            if exact_head:
+                params = {k: v for k, v in params.items() if k != "draft_head"}
             b, t = tokens.shape
             positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
             carry = init_mtp_carry(cfg, b, t - 1, self.dtype)
@@ -93,16 +96,17 @@ class Model:
         logits, _ = self._logits_fn(self.params, tokens)
         return np.asarray(logits, np.float32)
 
-    def draft_logits(self, token_ids) -> np.ndarray:
+    def draft_logits(self, token_ids, exact_head: bool = False) -> np.ndarray:
         """Teacher-forced MTP logits ``[B, T-1, V]``: row p predicts token p+2 from the target's final-normed hidden
-        at p and the embedding of token p+1."""
+        at p and the embedding of token p+1. They come from the head the drafts use (the int8 draft head when
+        loaded with one); ``exact_head=True`` scores with the LM head itself."""
         if not self.config.has_mtp:
             raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
         tokens = self._as_batch(token_ids)
         if tokens.shape[1] < 2:
             raise ValueError("draft_logits needs at least 2 tokens per row")
         _, hidden = self._logits_fn(self.params, tokens)
-        return np.asarray(self._draft_fn(self.params, tokens, hidden), np.float32)
+        return np.asarray(self._draft_fn(self.params, tokens, hidden, bool(exact_head)), np.float32)
 
     def _as_batch(self, token_ids) -> jnp.ndarray:
         try:
@@ -149,11 +153,13 @@ def _chat_template(path: str) -> str | None:
 
 
 def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
-         progress: bool = True) -> Model:
+         progress: bool = True, int8_draft_head: bool = True) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
-    ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless.
+    ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless. The params come in the serving
+    layout (:mod:`jaxmtp.param_layout`): fused projections and, with ``int8_draft_head`` and an MTP head, an int8
+    copy of the LM head for the drafts (outputs unchanged; costs V x H bytes of memory).
     """
     if path is None:
         from jaxmtp.default_model import default_model_path
@@ -169,7 +175,7 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
         params, cfg = checkpoint.load_native(path, dtype)
     else:
         params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
-    params = jax.device_put(params)
+    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head))
     return Model(
         config=cfg,
         params=params,

@@ -8,7 +8,8 @@ scores and what the MTP head consumes). Prefill (T = chunk), decode (T = 1) and 
 function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (state after every
 token) for speculative rollback.
 
-Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``)::
+Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout
+of :mod:`jaxmtp.param_layout` fuses some projections and adds an int8 ``draft_head``)::
 
     embed_tokens [V, H], norm [H], lm_head [H, V] (absent when tied), layers: list of
       {input_layernorm, post_attention_layernorm, self_attn | linear_attn, mlp}
@@ -30,7 +31,7 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import linear
+from jaxmtp.pallas.matmul import linear, quantized_linear
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -190,13 +191,25 @@ def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array
     return linear(hidden, params["embed_tokens"], transpose_w=True, out_dtype=jnp.float32, implementation=matmul)
 
 
-def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str, matmul: str = "xla"):
-    """``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``: None."""
+def draft_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
+    """The MTP drafts' logits [..., V] (float32): the int8 ``draft_head`` of the serving layout
+    (:mod:`jaxmtp.param_layout`) when present, else the LM head."""
+    if "draft_head" in params:
+        dh = params["draft_head"]
+        return quantized_linear(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+    return lm_head(params, hidden, backend.matmul)
+
+
+def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str, matmul: str = "xla",
+                  head=None):
+    """``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``: None. ``head(hidden)``
+    replaces the LM head if given."""
+    head = head or (lambda h: lm_head(params, h, matmul))
     if logits == "all":
-        return lm_head(params, hidden, matmul)
+        return head(hidden)
     if logits == "last":
         last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
-        return lm_head(params, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], matmul)
+        return head(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
     if logits == "none":
         return None
     raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
@@ -234,7 +247,7 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     Row p combines the embedding of ``next_tokens[p]`` (the token at position p+1) with ``hidden[p]`` (the target's
     final-normed hidden at p, or the MTP's own output for recursive steps), runs the full-attention MTP layer
     ``step % N`` at ``positions[p]`` and returns ``(logits predicting position p+2, mtp hidden after mtp.norm,
-    new mtp carry)``.
+    new mtp carry)``. The logits are the drafts' (:func:`draft_head`).
     """
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
@@ -247,4 +260,5 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
                          backend=backend)
     hm = rms_norm(z, mp["norm"], eps)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
-    return select_logits(params, hm, positions, logits, backend.matmul), hm, new_carry
+    logits = select_logits(params, hm, positions, logits, head=lambda h: draft_head(params, h, backend))
+    return logits, hm, new_carry

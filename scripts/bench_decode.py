@@ -32,6 +32,7 @@ from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
 from jaxmtp.model import init_params, param_shapes
+from jaxmtp.param_layout import serving_layout
 from jaxmtp.pallas import resolve_backend
 from jaxmtp.sampling import SamplingParams
 
@@ -77,14 +78,23 @@ def hbm_bandwidth() -> float:
     return passes * 2 * 4 * n / t
 
 
-def random_model(cfg, dtype, backend) -> Model:
+LAYOUTS = ("serving", "fused", "native")
+
+
+def random_model(cfg, dtype, backend, layout: str = "serving") -> Model:
+    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the int8 draft
+    head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout)."""
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
+    if layout != "native":
+        params = serving_layout(params, draft_head=layout == "serving")
     jax.block_until_ready(params)
     return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg, dtype))
 
 
-def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2) -> dict:
-    """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes."""
+def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, int8_draft_head: bool = False) -> dict:
+    """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes. With
+    k > 0 the k drafts each read the draft head (int8 with ``int8_draft_head``) and k - 1 of them the MTP layer
+    again, besides the verify's own reads."""
     shapes_ = param_shapes(cfg, jnp.bfloat16)
     leaves = jax.tree_util.tree_leaves_with_path(shapes_)
     t = batch * (k + 1)
@@ -101,10 +111,10 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2) -> d
         if "'mtp'" in name and k == 0:
             nbytes = 0
         weights += nbytes
-    if k > 0:  # each recursive draft step reads the LM head again (and the MTP layer)
-        head = cfg.vocab_size * cfg.hidden_size * dtype_bytes
+    if k > 0:  # each draft reads the draft head; recursive draft steps read the MTP layer again
+        head = cfg.vocab_size * (cfg.hidden_size + 4 if int8_draft_head else cfg.hidden_size * dtype_bytes)
         mtp = sum(int(np.prod(s.shape)) * s.dtype.itemsize for p, s in leaves if "'mtp'" in jax.tree_util.keystr(p))
-        weights += (k - 1) * (head + mtp)
+        weights += k * head + (k - 1) * mtp
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -169,7 +179,7 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
     plan = memory_plan(cfg, batch, context, k, model.dtype)
-    need = step_bytes(cfg, batch, k, context + room // 2)
+    need = step_bytes(cfg, batch, k, context + room // 2, int8_draft_head="draft_head" in model.params)
     del eng
     return {
         "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,
@@ -293,6 +303,7 @@ def main(argv=None) -> int:
                     help="only the transformers comparison (run it in its own process: JAX reserves GPU memory)")
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (see random_model)")
     ap.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test of the script)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument("--out", default="bench_decode.json")
@@ -304,7 +315,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
-              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "models": {}}
+              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "layout": args.layout,
+              "models": {}}
     bw = hbm_bandwidth()
     result["hbm_bytes_per_s"] = bw
     print(f"device {result['device']}, measured bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -336,7 +348,7 @@ def main(argv=None) -> int:
                                shared_expert_intermediate_size=32)
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
-        model = random_model(cfg, dtype, args.backend)
+        model = random_model(cfg, dtype, args.backend, args.layout)
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend), "prefill": [], "steps": [],

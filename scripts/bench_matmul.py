@@ -58,8 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="0.8b,4b,27b")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=540)
+    ap.add_argument("--draft-head", action="store_true",
+                    help="only the LM head: bfloat16 (XLA, kernel) against the int8 draft head (kernel, XLA)")
     ap.add_argument("--out", default="bench_matmul.json")
     args = ap.parse_args(argv)
+    if args.draft_head:
+        return draft_head_main(args)
     t_start = time.time()
     dev = jax.devices()[0]
     res = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
@@ -121,6 +125,49 @@ def main(argv=None) -> int:
               f"({row['kernel_gb_per_s']:.0f} GB/s)"
               + (f"  best {row['best']}" if row.get("best") else ""), flush=True)
     save()
+    return 0
+
+
+def draft_head_main(args) -> int:
+    """The draft head's product (``quantized_linear``) at the tied-head shapes, against the bfloat16 head."""
+    from jaxmtp.pallas.matmul import quantized_linear, quantized_matmul_reference
+    from jaxmtp.param_layout import quantize_rows
+
+    dev = jax.devices()[0]
+    res = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
+           "jax": jax.__version__, "command": " ".join(sys.argv), "draft_head": []}
+    kw = {"implementation": "triton_interpret" if args.smoke else "triton"}
+    hidden = {"0.8b": 1024, "4b": 2560, "27b": 5120}
+    vocab = 256 if args.smoke else 248320
+    for model in args.models.split(","):
+        h = 128 if args.smoke else hidden[model]
+        key = jax.random.PRNGKey(h)
+        w = (jax.random.normal(key, (vocab, h), jnp.float32) * h**-0.5).astype(jnp.bfloat16)
+        q, scale = quantize_rows(w)
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, h), jnp.bfloat16)
+            want = np.asarray(quantized_matmul_reference(x.astype(jnp.float32), q, scale), np.float64)
+            got = np.asarray(quantized_linear(x, q, scale, **kw), np.float64)
+            row = {"model": model, "rows": m, "vocab": vocab, "hidden": h,
+                   "rel_err": float(np.abs(got - want).max() / np.abs(want).max()),
+                   "bf16_bytes": w.size * 2, "int8_bytes": q.size + scale.size * 4}
+            bf16 = jax.jit(lambda a, b: matmul_reference(a, b, transpose_w=True, out_dtype=jnp.float32))
+            row["bf16_xla_s"] = device_seconds(bf16, x, w, chain=chain_rows)
+            row["bf16_kernel_s"] = device_seconds(
+                lambda a, b: skinny_matmul_triton(a, b, transpose_w=True, out_dtype=jnp.float32,
+                                                  interpret=args.smoke), x, w, chain=chain_rows)
+            row["int8_kernel_s"] = device_seconds(lambda a, b, c: quantized_linear(a, b, c, **kw), x, q, scale,
+                                                  chain=chain_rows)
+            row["int8_xla_s"] = device_seconds(jax.jit(quantized_matmul_reference), x, q, scale, chain=chain_rows)
+            row["int8_gb_per_s"] = row["int8_bytes"] / row["int8_kernel_s"] / 1e9
+            row["speedup_vs_best_bf16"] = min(row["bf16_xla_s"], row["bf16_kernel_s"]) / row["int8_kernel_s"]
+            res["draft_head"].append(row)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+            print(f"{model:5s} M={m:3d} err {row['rel_err']:.1e}  bf16 xla {row['bf16_xla_s'] * 1e6:7.1f} us  "
+                  f"bf16 kernel {row['bf16_kernel_s'] * 1e6:7.1f}  int8 kernel {row['int8_kernel_s'] * 1e6:7.1f} "
+                  f"({row['int8_gb_per_s']:.0f} GB/s)  int8 xla {row['int8_xla_s'] * 1e6:7.1f}  "
+                  f"x{row['speedup_vs_best_bf16']:.2f}", flush=True)
     return 0
 
 

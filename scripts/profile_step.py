@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import fill_synthetic, random_model, step_bytes  # noqa: E402
+from bench_decode import LAYOUTS, fill_synthetic, random_model, step_bytes  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 
@@ -104,6 +104,11 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
     ops = sorted(({"op": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps} for k, v in by_op.items()),
                  key=lambda r: -r["us_per_step"])
     span_us = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    mid, per_step = len(ordered) // 2, len(ordered) // max(steps, 1)
+    sequence = [{"op": e.get("args", {}).get("hlo_op") or e["name"], "us": e["dur"],
+                 "gap_us": e["ts"] - (p["ts"] + p["dur"])}
+                for p, e in zip(ordered[mid - 1 : mid + per_step], ordered[mid : mid + per_step])]
     return {
         "wall_ms_per_step": wall_s / steps * 1e3,
         "kernels_per_step": len(kernels) / steps,
@@ -113,6 +118,7 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
         "top_ops": ops[:top],
         "by_kind": kinds[:top],
         "threads": sorted(threads, key=lambda r: -r["total_us"])[:40],
+        "sequence": sequence,  # one step's worth of kernels in launch order, from the middle of the trace
     }
 
 
@@ -157,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--override", default="", help="backend fields to set, e.g. matmul=triton,moe=xla")
     ap.add_argument("--matmul-max-rows", type=int, default=None, help="jaxmtp.pallas.matmul.KERNEL_MAX_ROWS")
+    ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (bench_decode.random_model)")
     ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="profile_step.json")
     args = ap.parse_args(argv)
@@ -172,19 +179,21 @@ def main(argv=None) -> int:
         import jaxmtp.pallas.matmul as matmul_mod
 
         matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
-    model = random_model(cfg, jnp.bfloat16, args.backend)
+    model = random_model(cfg, jnp.bfloat16, args.backend, args.layout)
     if args.override:
         fields = dict(kv.split("=") for kv in args.override.split(","))
         model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
     dev = jax.devices()[0]
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model,
-              "backend": str(model.backend), "matmul_max_rows": args.matmul_max_rows, "command": " ".join(sys.argv), "runs": []}
+              "backend": str(model.backend), "layout": args.layout, "matmul_max_rows": args.matmul_max_rows,
+              "command": " ".join(sys.argv), "runs": []}
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
         for k in ks.split(","):
             r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top)
-            r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context)["total"]
+            r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
+                                           int8_draft_head="draft_head" in model.params)["total"]
             result["runs"].append(r)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -42,7 +42,7 @@ def test_bf16_checkpoint_and_bf16_compute_stay_close_to_float32(checkpoint_facto
     path, _ = checkpoint_factory("dense", hv_ratio=2, dtype="bfloat16", seed=3)
     f32 = jaxmtp.load(path, dtype="float32", progress=False)
     bf16 = jaxmtp.load(path, dtype="bfloat16", progress=False)
-    assert bf16.params["layers"][0]["mlp"]["gate_proj"].dtype == np.dtype("bfloat16")
+    assert bf16.params["layers"][0]["mlp"]["gate_up_proj"].dtype == np.dtype("bfloat16")
     ids = rng.integers(0, VOCAB, (2, 40))
     ref, got = f32.logits(ids), bf16.logits(ids)
     scale = np.abs(ref).max()

@@ -25,7 +25,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, select_step
-from jaxmtp.model import forward, init_carry, init_mtp_carry, lm_head, mtp_forward
+from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
 
@@ -188,7 +188,7 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         mtp = _take(state.mtp_carry, slots)
         _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend)
         hm_last = jnp.take_along_axis(hm, last_idx[:, None, None], axis=1)[:, 0]
-        d1 = jnp.argmax(lm_head(params, hm_last, backend.matmul), axis=-1).astype(jnp.int32)
+        d1 = jnp.argmax(draft_head(params, hm_last, backend), axis=-1).astype(jnp.int32)
         drafts, mtp = _draft_rest(params, cfg, k, d1, hm_last, prompt_len, final, mtp, backend)
         if state.oracle is not None:
             oracle = state.oracle.replace(seq=_take(state.oracle.seq, slots))
@@ -239,7 +239,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     if k > 0:
         _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend)
         h1 = jnp.take_along_axis(hm, a[:, None, None], axis=1)[:, 0]
-        d1 = jnp.argmax(lm_head(params, h1, backend.matmul), axis=-1).astype(jnp.int32)
+        d1 = jnp.argmax(draft_head(params, h1, backend), axis=-1).astype(jnp.int32)
         drafts, mtp = _draft_rest(params, cfg, k, d1, h1, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
         new = new.replace(mtp_carry=mtp, drafts=drafts)
@@ -283,8 +283,10 @@ def run_steps_on_prefix(params, state: SlotState, *, n: int, **kw):
     return set_slot_prefix(state, sub), out
 
 
-def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend):
-    """``num_steps`` speculative steps in one device loop (steps with no active slot are skipped).
+def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend,
+              skip_idle: bool = True, unroll: int = 1):
+    """``num_steps`` speculative steps in one device loop (with ``skip_idle``, steps with no active slot are skipped
+    by a conditional; else they run masked). ``unroll``: steps per loop iteration (``lax.scan``'s).
 
     Returns (state, outputs stacked over steps: tokens [N, S, k+1], n_emit/accepted/finished/reason [N, S]).
     """
@@ -297,6 +299,8 @@ def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps:
                     "reason": jnp.zeros((s,), jnp.int32), "was_active": jnp.zeros((s,), bool)}
 
     def body(st, _):
+        if not skip_idle:
+            return step(params, st)
         return jax.lax.cond(jnp.any(st.active), lambda x: step(params, x), idle, st)
 
-    return jax.lax.scan(body, state, None, length=num_steps)
+    return jax.lax.scan(body, state, None, length=num_steps, unroll=unroll)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxmtp.engine import device
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_num_draft_tokens
+from jaxmtp.param_layout import weight_bytes
 from jaxmtp.engine.text import IncrementalDetokenizer, find_stop, held_back
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
@@ -159,7 +160,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.steps_per_sync = steps_per_sync
         self.max_prefill_batch = max_prefill_batch or min(num_slots, 8)
-        self.plan = memory_plan(cfg, num_slots, max_context, self.k, model.dtype)
+        self.plan = memory_plan(cfg, num_slots, max_context, self.k, model.dtype, weights=weight_bytes(model.params))
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:

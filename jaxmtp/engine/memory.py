@@ -65,15 +65,19 @@ class MemoryPlan:
         return "\n".join(f"  {name:45s}{gib(b)}" for name, b in rows)
 
 
-def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16) -> MemoryPlan:
-    """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens."""
+def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16,
+                weights: int | None = None) -> MemoryPlan:
+    """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens.
+    ``weights``: the params' bytes if known (the serving layout's int8 draft head adds V x H); else the native
+    layout's, from the config."""
     b = jnp.dtype(dtype).itemsize
     capacity = max_context + k
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * b
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    weights = sum(int(x.size) * x.dtype.itemsize
-                  for x in jax.tree_util.tree_leaves(param_shapes(cfg, dtype, include_mtp=k > 0)))
+    if weights is None:
+        weights = sum(int(x.size) * x.dtype.itemsize
+                      for x in jax.tree_util.tree_leaves(param_shapes(cfg, dtype, include_mtp=k > 0)))
     return MemoryPlan(
         weights=weights,
         kv_per_slot=n_attn * capacity * kv_row,

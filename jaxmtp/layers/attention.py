@@ -1,7 +1,8 @@
 """Gated full attention with a KV carry.
 
 Weights (native layout, ``x @ W``): ``q_proj [H, Hq*2*D]`` (per-head interleaved [q_h | gate_h]),
-``k_proj``/``v_proj [H, Hkv*D]``, ``o_proj [Hq*D, H]``, ``q_norm``/``k_norm [D]`` (zero-centred, per head).
+``k_proj``/``v_proj [H, Hkv*D]``, ``o_proj [Hq*D, H]``, ``q_norm``/``k_norm [D]`` (zero-centred, per head). The
+serving layout holds ``qkv_proj`` (q, k, v concatenated) instead (:mod:`jaxmtp.layers.projections`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import rms_norm
+from jaxmtp.layers.projections import project
 from jaxmtp.layers.rope import apply_rope
 from jaxmtp.pallas.attention import cached_attention
 from jaxmtp.pallas.matmul import linear
@@ -47,11 +49,12 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = mm(x, p["q_proj"]).reshape(b, t, hq, 2 * d)
+    qg, k, v = project(p, x, "qkv_proj", (hq * 2 * d, hkv * d, hkv * d), mm)
+    qg = qg.reshape(b, t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, hq * d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(mm(x, p["k_proj"]).reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
-    v = mm(x, p["v_proj"]).reshape(b, t, hkv, d)
+    k = rms_norm(k.reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(b, t, hkv, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv(cache, k, v, positions)
     o = cached_attention(q, cache.k, cache.v, positions, implementation=implementation)

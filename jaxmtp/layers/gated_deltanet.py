@@ -2,7 +2,9 @@
 
 Weights (native layout, ``x @ W``): ``in_proj_qkv [H, C]`` with C = [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)],
 ``in_proj_z [H, Hv*dv]``, ``in_proj_b``/``in_proj_a [H, Hv]``, ``conv1d [K, C]`` (depthwise, no bias),
-``A_log``/``dt_bias [Hv]`` (float32), ``norm [dv]`` (plain-weight gated RMSNorm), ``out_proj [Hv*dv, H]``.
+``A_log``/``dt_bias [Hv]`` (float32), ``norm [dv]`` (plain-weight gated RMSNorm), ``out_proj [Hv*dv, H]``. The
+serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated) instead; see
+:mod:`jaxmtp.layers.projections`.
 
 Rollback for speculative decoding: :func:`gated_deltanet` can return a :class:`GDNSteps` (the raw conv inputs of
 the window and the state after every token); :func:`select_step` turns it into the carry after any accepted prefix.
@@ -17,6 +19,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
+from jaxmtp.layers.projections import project
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -93,10 +96,11 @@ def gated_deltanet(
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    mixed = mm(x, p["in_proj_qkv"])  # [B, T, C], raw conv inputs
-    z = mm(x, p["in_proj_z"]).reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid((x @ p["in_proj_b"]).astype(jnp.float32))
-    a = (x @ p["in_proj_a"]).astype(jnp.float32)
+    # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
+    mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", (cfg.conv_dim, hv * dv, hv, hv), mm)
+    z = z.reshape(b, t, hv, dv)
+    beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
+    a = a.astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
     # Padding tokens must leave the state untouched: no decay (g = 0) and no write (beta = 0).
     g = jnp.where(valid[..., None], g, 0.0)

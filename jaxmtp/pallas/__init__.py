@@ -25,6 +25,7 @@ class Backend:
     gdn_recurrent: str = "xla"
     moe: str = "xla"
     matmul: str = "xla"  # projections (jaxmtp.pallas.matmul.linear): the kernel serves few-row products only
+    draft_head: str = "xla"  # the int8 draft head's product (jaxmtp.pallas.matmul.quantized_linear)
 
 
 XLA = Backend()
@@ -60,7 +61,7 @@ def _platform() -> str:
 # The GPU kernels' tiles are sized for 16-bit weights: float32 at real head sizes (attention head_dim 256, GDN heads
 # 128) exceeded the H200's shared memory, so such float32 models keep XLA; float32 at the default model's sizes
 # (64) ran (docs/default_model.md). TPU kernels are proven in interpret mode only, so TPU keeps XLA.
-_AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON)}
+_AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON, draft_head=TRITON)}
 MATMUL_KERNEL_MAX_HIDDEN = 2048
 
 

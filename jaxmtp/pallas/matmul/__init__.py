@@ -2,8 +2,8 @@
 
 ``linear(x, w, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` / ``"triton_interpret"`` run
 :func:`skinny_matmul_triton` for products of at most ``KERNEL_MAX_ROWS`` rows whose weight is large enough to matter
-(>= 2^20 elements), else the reference. TPU names run the reference: XLA's TPU matmuls have no measured problem
-here (no TPU is available to measure one).
+(>= 2^20 elements), else the reference. ``quantized_linear`` is the int8 draft head's product. TPU names run the
+reference: XLA's TPU matmuls have no measured problem here (no TPU is available to measure one).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul.reference import matmul_reference
-from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton, supports
+from jaxmtp.pallas.matmul.reference import matmul_reference, quantized_matmul_reference
+from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
 # Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
@@ -32,4 +32,18 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
     return matmul_reference(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
-__all__ = ["linear", "matmul_reference", "skinny_matmul_triton", "supports"]
+def quantized_linear(x, q, scale, *, implementation: str = "xla"):
+    """``(x @ q^T) * scale`` as float32 [..., N]: x [..., K]; q [N, K] int8 with per-row ``scale [N]`` (the draft
+    head, :mod:`jaxmtp.param_layout`). ``"triton"`` streams the int8 weight for up to ``MAX_ROWS`` rows (the
+    slots of a draft step); more rows, or other names, run the reference."""
+    n = q.shape[0]
+    rows = math.prod(x.shape[:-1])
+    if implementation in (TRITON, TRITON_INTERPRET) and supports(rows, x.shape[-1], n):
+        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32",
+                                 interpret=implementation == TRITON_INTERPRET)
+        return y * scale
+    return quantized_matmul_reference(x, q, scale)
+
+
+__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized_linear", "quantized_matmul_reference",
+           "skinny_matmul_triton", "supports"]

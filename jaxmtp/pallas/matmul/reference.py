@@ -19,3 +19,8 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, o
     if out_dtype == x.dtype:
         return jnp.einsum(eq, x, w)
     return einsum_f32(eq, x, w).astype(out_dtype)
+
+
+def quantized_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``(x @ q^T) * scale`` in float32: x [..., K]; q [N, K] int8; scale [N] float32 (per output column)."""
+    return einsum_f32("...k,nk->...n", x, q.astype(x.dtype)) * scale

@@ -5,8 +5,9 @@ program owns a ``BN``-wide column slab of W and a share of the K axis, loops ove
 pipelines the loads, ``num_stages`` deep) and multiplies the ``[Mp, BK]`` row tile by the ``[BK, BN]`` weight tile
 (rows padded to Mp >= 16, the smallest dot). With fewer column slabs than about two waves of programs the K axis is
 split and a jnp sum combines the float32 partials. ``transpose_w`` reads W stored ``[N, K]`` (a tied LM head, the
-embedding) as ``[BN, BK]`` tiles. XLA's own choices at these shapes measured 25-65% of HBM bandwidth on an H200
-(docs/performance.md, "Decode step profile").
+embedding) as ``[BN, BK]`` tiles. An int8 W (the draft head, :func:`jaxmtp.pallas.matmul.quantized_linear`) is read
+as int8 and widened in registers, so the kernel streams half the bytes of a bfloat16 W. XLA's own choices at these
+shapes measured 25-65% of HBM bandwidth on an H200 (docs/performance.md, "Decode step profile").
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
     want = math.ceil(2 * num_sms / tiles)  # about two waves of programs
     splits = next((s for s in range(want, steps + 1) if steps % s == 0), steps) if want > 1 else 1
     return mp, bn, bk, splits
+
+
+def _operand_dtype(x_dtype, w_dtype):
+    """In-kernel operand dtype: int8 weights are widened to the activations' dtype (exact for bfloat16: |q| <= 127
+    fits its 8-bit significand), other weights keep theirs (:func:`work_dtype`)."""
+    if jnp.dtype(w_dtype) == jnp.int8:
+        return work_dtype(x_dtype)
+    return work_dtype(w_dtype)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, dtype, interpret):
@@ -88,7 +97,7 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
         out_spec = pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j))
     y = pl.pallas_call(
         functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w,
-                          dtype=work_dtype(w.dtype), interpret=bool(interpret)),
+                          dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret)),
         out_shape=out_shape,
         grid=(n // bn, ns),
         in_specs=[pl.BlockSpec((mp, kdim), lambda j, s: (0, 0)), w_spec],

@@ -1,0 +1,101 @@
+"""The serving layout of the params: what :func:`jaxmtp.load` hands the engine, derived from the native layout.
+
+The native layout (:func:`jaxmtp.model.param_shapes`) mirrors the checkpoint; conversion and export read it. For
+decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
+
+* **Fused projections** (:func:`fuse_projections`): the projections that read the same input are concatenated into
+  one weight (:data:`jaxmtp.layers.projections.FUSED_GROUPS`: GDN ``in_proj_qkv|z|b|a``, attention ``q|k|v_proj``,
+  SwiGLU ``gate|up_proj``), so a layer runs one larger product where it ran two to four. Exact: each output column
+  is the same dot product as before.
+* **int8 draft head** (:func:`add_draft_head`): the MTP drafts read the LM head once per draft token, and at batch 1
+  that read is most of what drafting costs (1.27 GB per draft for the 4B's tied 248k x 2560 head). ``draft_head``
+  holds the head as int8 ``[V, H]`` with a float32 scale per vocabulary row (absmax / 127), read at half the
+  bytes. Drafts only propose: the target model verifies each token with its own bfloat16 head, so outputs are
+  unchanged; a draft can differ from the exact head's only where two logits are within the rounding error
+  (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens.
+
+Both mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
+of holding both) and work on numpy (host) or jax (device) arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
+
+DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
+
+
+def _xp(a):
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def _fuse_dict(d: dict) -> None:
+    for fused, parts in FUSED_GROUPS.items():
+        if fused in d or not all(name in d for name in parts):
+            continue
+        ws = [d.pop(name) for name in parts]
+        xp = _xp(ws[0])
+        width = sum(w.shape[1] for w in ws)
+        pad = (-width) % FUSED_COLUMN_MULTIPLE
+        if pad:
+            ws.append(xp.zeros((ws[0].shape[0], pad), ws[0].dtype))
+        d[fused] = xp.concatenate(ws, axis=1)
+        del ws
+
+
+def fuse_projections(params: dict) -> dict:
+    """Replace every group of :data:`FUSED_GROUPS` found in a dict of ``params`` by its fused weight (in place;
+    returns ``params``). Already fused or partial groups are left as they are."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            _fuse_dict(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(params)
+    return params
+
+
+def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
+    """Symmetric int8 per row: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (q int8 [N, K], scale float32
+    [N]) with ``w ~= q * scale[:, None]``."""
+    xp = _xp(w)
+    n = w.shape[1] if transposed else w.shape[0]
+    qs, scales = [], []
+    for start in range(0, n, rows_per_chunk):
+        blk = w[:, start : start + rows_per_chunk].T if transposed else w[start : start + rows_per_chunk]
+        blk = xp.asarray(blk, dtype=xp.float32)
+        amax = xp.max(xp.abs(blk), axis=1)
+        scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(xp.float32)
+        qs.append(xp.clip(xp.round(blk / scale[:, None]), -127, 127).astype(xp.int8))
+        scales.append(scale)
+    return xp.concatenate(qs, axis=0), xp.concatenate(scales, axis=0)
+
+
+def add_draft_head(params: dict) -> dict:
+    """Add ``params["draft_head"] = {"weight": int8 [V, H], "scale": float32 [V]}``, quantised from the LM head
+    (``lm_head [H, V]``, or the tied embedding ``[V, H]``). In place; returns ``params``."""
+    untied = "lm_head" in params
+    q, scale = quantize_rows(params["lm_head" if untied else "embed_tokens"], transposed=untied)
+    params["draft_head"] = {"weight": q, "scale": scale}
+    return params
+
+
+def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
+    """:func:`fuse_projections`, then (``draft_head`` and an MTP head present) :func:`add_draft_head`. In place."""
+    fuse_projections(params)
+    if draft_head and "mtp" in params:
+        add_draft_head(params)
+    return params
+
+
+def weight_bytes(params) -> int:
+    return int(sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params)))

@@ -1,0 +1,114 @@
+"""Serving layout (jaxmtp.param_layout): fused projections give the native layout's outputs, the int8 draft head's
+quantisation error stays within its bound (float64 numpy), the int8 product kernel (Pallas interpreter) matches a
+float64 product of the dequantised weight, and drafts from the int8 head mostly agree with the exact head's."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp.config import FULL, LINEAR, Qwen35Config
+from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
+from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_params, mtp_forward
+from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas.matmul import quantized_linear
+from jaxmtp.param_layout import add_draft_head, fuse_projections, quantize_rows, serving_layout
+
+
+def _config(moe: bool) -> Qwen35Config:
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, moe_layers=(True, True)) if moe else {}
+    return Qwen35Config(
+        family="qwen3_5_moe" if moe else "qwen3_5", vocab_size=96, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, layer_types=(LINEAR, FULL),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        intermediate_size=80, mtp_num_hidden_layers=1, **extra)
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: a, tree)  # new containers, same arrays
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_fused_projections_give_the_native_outputs(rng, moe):
+    cfg = _config(moe)
+    native = init_params(cfg, jax.random.key(3), jnp.float32, scale=0.1)
+    fused = fuse_projections(_copy(native))
+    layer = fused["layers"][0]
+    assert "in_proj_qkvzba" in layer["linear_attn"] and "in_proj_qkv" not in layer["linear_attn"]
+    assert "qkv_proj" in fused["layers"][1]["self_attn"] and "qkv_proj" in fused["mtp"]["layers"][0]["self_attn"]
+    mlp = layer["mlp"]["shared_expert"] if moe else layer["mlp"]
+    assert set(mlp) == {"gate_up_proj", "down_proj"}
+    for name, parts in FUSED_GROUPS.items():  # columns: the parts side by side, then zero padding
+        if name in layer["linear_attn"]:
+            w = np.asarray(layer["linear_attn"][name])
+            want = np.concatenate([np.asarray(native["layers"][0]["linear_attn"][p]) for p in parts], axis=1)
+            assert w.shape[1] % FUSED_COLUMN_MULTIPLE == 0
+            np.testing.assert_array_equal(w[:, : want.shape[1]], want)
+            assert not np.any(w[:, want.shape[1]:])
+    assert jax.tree.structure(fuse_projections(_copy(fused))) == jax.tree.structure(fused)  # idempotent
+
+    b, t0, cap = 2, 11, 20
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 4)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t0 + 4, dtype=jnp.int32), ids.shape)
+
+    def run(params):
+        fwd = functools.partial(forward, cfg=cfg)
+        logits, hidden, carry = fwd(params, ids[:, :t0], pos[:, :t0], init_carry(cfg, b, cap, jnp.float32))
+        dec, _, carry = fwd(params, ids[:, t0:t0 + 1], pos[:, t0:t0 + 1], carry)
+        ver, _, _ = fwd(params, ids[:, t0 + 1:], pos[:, t0 + 1:], carry, step_states=True)
+        mtp, _, _ = mtp_forward(params, ids[:, 1:t0 + 1], hidden, pos[:, :t0],
+                                init_mtp_carry(cfg, b, cap, jnp.float32), cfg=cfg)
+        return logits, dec, ver, mtp
+
+    for got, want in zip(run(fused), run(native)):
+        assert np.abs(np.asarray(want)).max() > 0.1
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_int8_rows_are_within_half_a_step(rng):
+    w = rng.standard_normal((37, 24)) * rng.uniform(0.01, 3.0, (37, 1))
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    for transposed in (False, True):
+        q, scale = quantize_rows(w.T.copy() if transposed else w, transposed=transposed, rows_per_chunk=8)
+        assert q.dtype == np.int8 and q.shape == w.shape and scale.shape == (37,)
+        np.testing.assert_allclose(scale, np.where(np.abs(w).max(1) > 0, np.abs(w).max(1) / 127, 1.0), rtol=1e-6)
+        err = np.abs(q.astype(np.float64) * scale[:, None].astype(np.float64) - w)
+        assert np.all(err <= 0.5 * scale[:, None] * (1 + 1e-6)), err.max()
+        assert np.abs(q).max() == 127 and not np.any(q[5])
+    qj, sj = quantize_rows(jnp.asarray(w, jnp.float32), rows_per_chunk=16)  # device arrays: same result
+    np.testing.assert_array_equal(np.asarray(qj), quantize_rows(w.astype(np.float32))[0])
+    np.testing.assert_allclose(np.asarray(sj), quantize_rows(w.astype(np.float32))[1], rtol=1e-7)
+
+
+@pytest.mark.parametrize("m,dtype", [(1, jnp.bfloat16), (5, jnp.bfloat16), (3, jnp.float32)])
+def test_int8_product_kernel_matches_float64(rng, m, dtype):
+    n, k = 96, 128
+    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    want = np.asarray(x, np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
+    for impl in ("xla", "triton_interpret"):
+        got = quantized_linear(x, q, scale, implementation=impl)
+        assert got.dtype == jnp.float32 and got.shape == (m, n)
+        err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+        assert err < 1e-6, (impl, err)  # int8 is exact in bf16; only float32 accumulation order remains
+
+
+def test_draft_head_tracks_the_exact_head(rng):
+    cfg = _config(False)
+    params = serving_layout(init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1))
+    assert params["draft_head"]["weight"].dtype == jnp.int8
+    h = jnp.asarray(rng.standard_normal((400, cfg.hidden_size)), jnp.float32)
+    exact = np.asarray(draft_head({k: v for k, v in params.items() if k != "draft_head"}, h), np.float64)
+    got = np.asarray(draft_head(params, h, Backend(draft_head="triton_interpret")), np.float64)
+    # |error| <= sum_k |h_k| * scale_v / 2 per logit
+    bound = np.abs(np.asarray(h, np.float64)).sum(1)[:, None] * np.asarray(params["draft_head"]["scale"])[None] / 2
+    assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
+    assert np.mean(got.argmax(-1) == exact.argmax(-1)) > 0.95
+    assert "lm_head" in params  # untied: quantised from lm_head [H, V]; a tied head reads the embedding [V, H]
+    tied = add_draft_head({"embed_tokens": params["lm_head"].T})["draft_head"]
+    np.testing.assert_array_equal(np.asarray(tied["weight"]), np.asarray(params["draft_head"]["weight"]))
+    assert XLA.draft_head == "xla"
