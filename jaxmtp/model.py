@@ -32,6 +32,7 @@ from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import linear, quantized_linear
+from jaxmtp.pallas.norms import add_rms_norm
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -165,23 +166,25 @@ def init_mtp_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat
 # ---------------------------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------------------------
-def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *,
+def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *, h=None,
                   gdn_form="chunk", step_states=False, backend: Backend = XLA):
-    """Pre-norm residual block: ``h = x + mixer(norm(x)); y = h + mlp(norm(h))``. Returns (y, new layer carry)."""
-    h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+    """Pre-norm residual block ``r = x + mixer(norm(x)); out = r + mlp(norm(r))``, returning ``(r, mlp, new layer
+    carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
+    when the caller already has it (the previous block's fused add and norm)."""
+    if h is None:
+        h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions >= 0, carry, form=gdn_form,
-                                  step_states=step_states, implementation=impl, matmul=backend.matmul)
-    x = x + y
-    h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+                                  step_states=step_states, implementation=impl, matmul=backend.matmul,
+                                  mixer=backend.gdn_mixer)
+    x, h = add_rms_norm(x, y, lp["post_attention_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul) if moe
            else dense_mlp(lp["mlp"], h, backend.matmul))
-    x = x + mlp
-    return x, carry
+    return x, mlp, carry
 
 
 def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array:
@@ -231,12 +234,16 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
     x = params["embed_tokens"][tokens]
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     form = _gdn_form(gdn_form, tokens.shape[1], backend)
-    new_carry = []
-    for i, lp in enumerate(params["layers"]):
-        x, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin, carry[i],
-                             gdn_form=form, step_states=step_states, backend=backend)
+    layers, eps = params["layers"], cfg.rms_norm_eps
+    h, new_carry = rms_norm(x, layers[0]["input_layernorm"], eps), []
+    for i, lp in enumerate(layers):
+        x, mlp, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin, carry[i],
+                                  h=h, gdn_form=form, step_states=step_states, backend=backend)
         new_carry.append(c)
-    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+        # each block's last residual add is fused with the next norm: the next block's input norm, or the final one
+        norm = layers[i + 1]["input_layernorm"] if i + 1 < len(layers) else params["norm"]
+        x, h = add_rms_norm(x, mlp, norm, eps, implementation=backend.norm)
+    hidden = h
     return select_logits(params, hidden, positions, logits, backend.matmul), hidden, tuple(new_carry)
 
 
@@ -256,9 +263,9 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
-    z, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
-                         backend=backend)
-    hm = rms_norm(z, mp["norm"], eps)
+    z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
+                              backend=backend)
+    _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
     logits = select_logits(params, hm, positions, logits, head=lambda h: draft_head(params, h, backend))
     return logits, hm, new_carry

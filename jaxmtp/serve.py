@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and activations; auto: float32 on CPU, bfloat16 on accelerators")
     g.add_argument("--backend", default="auto", help="kernels: auto or xla (jaxmtp.pallas.resolve_backend)")
+    g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
+                   help="draft with the bf16 LM head instead of its int8 copy (outputs are the same either way; the "
+                        "int8 copy halves what each draft reads and costs vocab x hidden bytes)")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")
@@ -93,8 +96,10 @@ def load_model(args):
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
-        return random_model(args.random_model, dtype=dtype, backend=args.backend)
-    return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False)
+        return random_model(args.random_model, dtype=dtype, backend=args.backend,
+                            int8_draft_head=args.int8_draft_head)
+    return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
+                       int8_draft_head=args.int8_draft_head)
 
 
 async def serve(args) -> int:

@@ -15,6 +15,7 @@ JSON is written after every measurement (partial results survive a time limit); 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -294,6 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--syncs", type=int, default=6)
     ap.add_argument("--steps-per-sync", type=int, default=8)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--override", default="", help="backend fields to set, e.g. gdn_mixer=xla,norm=triton")
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)
     ap.add_argument("--lone", default="", help="slots:k pairs, e.g. 32:3;8:0: one busy slot, full step vs bucket")
@@ -349,6 +351,9 @@ def main(argv=None) -> int:
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
         model = random_model(cfg, dtype, args.backend, args.layout)
+        if args.override:
+            fields = dict(kv.split("=") for kv in args.override.split(","))
+            model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend), "prefill": [], "steps": [],

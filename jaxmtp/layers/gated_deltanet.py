@@ -21,7 +21,12 @@ from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
 from jaxmtp.layers.projections import project
 from jaxmtp.pallas.matmul import linear
-from jaxmtp.pallas.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from jaxmtp.pallas.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    gdn_mixer,
+    use_fused_mixer,
+)
 
 
 @struct.dataclass
@@ -84,18 +89,22 @@ def gated_deltanet(
     step_states: bool = False,
     implementation: str = "xla",
     matmul: str = "xla",
+    mixer: str = "xla",
 ):
     """One GDN mixer over a window.
 
     x: [B, T, H]; valid: [B, T] bool, a prefix of each row (right padding). ``form`` is ``"chunk"`` or
     ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
-    ``implementation`` names the gated delta rule kernel, ``matmul`` the projections'.
+    ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
+    recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused).
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
+        return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
     mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", (cfg.conv_dim, hv * dv, hv, hv), mm)
     z = z.reshape(b, t, hv, dv)
@@ -128,3 +137,20 @@ def gated_deltanet(
         return y, GDNSteps(conv_inputs, states)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
+
+
+def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: bool, implementation: str, mm):
+    """The recurrent path with conv, gates and rule in one kernel after the fused input projection
+    (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
+    b, t, _ = x.shape
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    proj = mm(x, p["in_proj_qkvzba"])
+    o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
+                       output_step_states=step_states, implementation=implementation)
+    z = proj[..., cfg.conv_dim : cfg.conv_dim + hv * dv].reshape(b, t, hv, dv)
+    y = mm(gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv), p["out_proj"])
+    if step_states:
+        conv_inputs = jnp.concatenate([carry.conv, proj[..., : cfg.conv_dim].astype(carry.conv.dtype)], axis=1)
+        return y, GDNSteps(conv_inputs, out)
+    state, window = out
+    return y, GDNCarry(window, state)

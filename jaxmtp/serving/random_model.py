@@ -16,6 +16,7 @@ from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.loading import Model
 from jaxmtp.model import init_params
 from jaxmtp.pallas import resolve_backend
+from jaxmtp.param_layout import serving_layout
 
 PRESETS = {
     "qwen3.5-0.8b": dict(vocab_size=248_320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
@@ -38,10 +39,12 @@ def random_config(name: str) -> Qwen35Config:
                         eos_token_ids=(), **kw)
 
 
-def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto") -> Model:
-    """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id)."""
+def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True) -> Model:
+    """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
+    serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`)."""
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
+    params = serving_layout(params, draft_head=int8_draft_head)
     return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
                  backend=resolve_backend(backend, cfg, dtype))

@@ -62,8 +62,34 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     raise ValueError(f"unknown gated delta rule implementation {implementation!r}")
 
 
+def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
+    """Whether :func:`gdn_mixer` runs the one-kernel mixer (GPU Triton, or its interpreter) for T tokens."""
+    from jaxmtp.pallas.gated_delta_rule.mixer_triton import supports
+
+    return implementation in (TRITON, TRITON_INTERPRET) and supports(
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+        t, MAX_RECURRENT_TOKENS)
+
+
+def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, output_step_states=False,
+              implementation="triton"):
+    """Conv, gates and recurrence of a decode/verify window from the fused input projection, in one kernel
+    (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`; shapes there). Only for :func:`use_fused_mixer`; its
+    reference is the unfused layer (:func:`jaxmtp.layers.gated_deltanet.gated_deltanet`, ``implementation="xla"``)."""
+    from jaxmtp.pallas.gated_delta_rule.mixer_triton import gdn_mixer_triton
+
+    if not use_fused_mixer(cfg, proj.shape[1], implementation):
+        raise ValueError(f"the fused GDN mixer does not run {implementation!r} at these shapes")
+    return gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid,
+                            hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                            dv=cfg.linear_value_head_dim, output_step_states=output_step_states,
+                            interpret=interpret_arg(implementation))
+
+
 __all__ = [
     "chunk_gated_delta_rule",
+    "gdn_mixer",
+    "use_fused_mixer",
     "fused_recurrent_gated_delta_rule",
     "l2norm",
     "naive_chunk_gated_delta_rule",

@@ -1,0 +1,24 @@
+"""Fused residual add + zero-centred RMSNorm: ``(s, h) = (x + y, rms_norm(x + y, w))``, the model's residual add
+followed by the next norm.
+
+``add_rms_norm(x, y, weight, eps, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` /
+``"triton_interpret"`` run :func:`add_rms_norm_triton` when it takes the row length (:func:`supports`: all Qwen3.5
+hidden sizes), else the reference. Other names (TPU) run the reference, which XLA fuses there. The model passes
+``Backend.norm``, ``"xla"`` under ``"auto"`` on every platform (docs/kernels.md has the GPU measurements).
+"""
+
+from __future__ import annotations
+
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, supports
+from jaxmtp.pallas.norms.reference import add_rms_norm_reference
+
+
+def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
+    """x, y: [..., H] (one dtype); weight: [H] float32 offset. Returns ``(s, h)`` [..., H] in x.dtype."""
+    if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
+        return add_rms_norm_triton(x, y, weight, eps, interpret=implementation == TRITON_INTERPRET)
+    return add_rms_norm_reference(x, y, weight, eps)
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "supports"]

@@ -1,0 +1,73 @@
+"""Fused residual add + zero-centred RMSNorm for GPU (Pallas, Triton lowering): one launch per add and norm.
+
+Rows are the flattened leading axes (decode: one per batch slot). Grid ``(R,)``: a program reads one row of x and y,
+writes ``s = x + y`` rounded to the input dtype (the residual stream, as the model's own add rounds it) and
+``h = s / rms(s) * (1 + w)`` computed in float32 from the rounded ``s``. Triton tensors must have power-of-two sizes,
+so a row of H is handled as ``H / C`` static chunks of ``C``, the largest power of two dividing H (capped at 4096):
+one chunk for H = 1024, 2048, 4096, five of 512 / 1024 for H = 2560 / 5120. The chunks stay in registers between
+the sum of squares and the write of ``h``; no padding, no masks. Not picked by ``"auto"``: in the decode step
+XLA fuses the add and the norm into their neighbours and was as fast or faster (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+MAX_CHUNK = 4096
+MIN_CHUNK = 16
+MAX_CHUNKS = 16
+
+
+def chunk_size(h: int) -> int:
+    """``C``: the largest power of two dividing ``h``, at most ``MAX_CHUNK``."""
+    return min(h & -h, MAX_CHUNK)
+
+
+def supports(h: int) -> bool:
+    """Row lengths the kernel takes: ``H = n * C`` with ``C >= 16`` and at most 16 chunks (all Qwen3.5 sizes)."""
+    return h > 0 and chunk_size(h) >= MIN_CHUNK and h // chunk_size(h) <= MAX_CHUNKS
+
+
+def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps):
+    n = x_ref.shape[-1]
+    parts, sq = [], jnp.zeros((chunk,), jnp.float32)
+    for j in range(n // chunk):
+        sl = pl.ds(j * chunk, chunk)
+        s = (x_ref[sl].astype(jnp.float32) + y_ref[sl].astype(jnp.float32)).astype(s_ref.dtype)
+        s_ref[sl] = s
+        s32 = s.astype(jnp.float32)
+        sq = sq + s32 * s32  # one cross-thread reduction at the end, not one per chunk
+        parts.append(s32)
+    inv = jax.lax.rsqrt(jnp.sum(sq) / n + eps)
+    for j, s32 in enumerate(parts):
+        sl = pl.ds(j * chunk, chunk)
+        h_ref[sl] = (s32 * inv * (1.0 + w_ref[sl].astype(jnp.float32))).astype(h_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
+    """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts."""
+    lead, hdim = x.shape[:-1], x.shape[-1]
+    if not supports(hdim):
+        raise ValueError(f"unsupported row length H={hdim}: needs H = n * C, C a power of two >= 16, n <= 16")
+    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,):
+        raise ValueError(f"shapes x {x.shape} {x.dtype}, y {y.shape} {y.dtype}, weight {weight.shape} do not match")
+    rows = math.prod(lead)
+    row = pl.BlockSpec((None, hdim), lambda r: (r, 0))
+    s, h = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
+        out_shape=[jax.ShapeDtypeStruct((rows, hdim), x.dtype)] * 2,
+        grid=(rows,),
+        in_specs=[row, row, pl.BlockSpec((hdim,), lambda r: (0,))],
+        out_specs=[row, row],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        interpret=interpret,
+        name="add_rms_norm",
+    )(x.reshape(rows, hdim), y.reshape(rows, hdim), weight)
+    return s.reshape(x.shape), h.reshape(x.shape)

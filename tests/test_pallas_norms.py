@@ -1,0 +1,94 @@
+"""Fused residual add + RMSNorm: the GPU Triton kernel (Pallas interpreter) against a float64 numpy oracle of the
+same bf16-rounded sum, leading axes, a row length that is not a power of two; the XLA path bit-for-bit against the
+model's own ``x + y`` then ``rms_norm``; the dispatcher's fallbacks; a small model (forward and MTP head) with
+``Backend(norm="triton_interpret")`` against the XLA path.
+
+The interpreter fills output buffers with NaN before the kernel runs, so unwritten elements fail the check.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp.layers.norms import rms_norm
+from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
+from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas.norms import add_rms_norm, supports
+from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
+
+from test_pallas_model import small_config
+
+EPS = 1e-6
+
+
+def _inputs(rng, shape, dtype):
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    y = jnp.asarray(rng.standard_normal(shape), dtype)
+    w = jnp.asarray(0.1 * rng.standard_normal(shape[-1]), jnp.float32)
+    return x, y, w
+
+
+def _oracle(s, w):
+    """float64 RMSNorm of the (already rounded) sum ``s``."""
+    s64 = np.asarray(s, np.float64)
+    return s64 / np.sqrt(np.mean(s64 * s64, axis=-1, keepdims=True) + EPS) * (1.0 + np.asarray(w, np.float64))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64), (2, 96)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_matches_float64(rng, shape, dtype):
+    x, y, w = _inputs(rng, shape, dtype)
+    s, h = add_rms_norm(x, y, w, EPS, implementation="triton_interpret")
+    assert s.shape == h.shape == shape and s.dtype == h.dtype == dtype
+    assert np.isfinite(np.asarray(s, np.float32)).all() and np.isfinite(np.asarray(h, np.float32)).all()
+    want_s = (np.asarray(x, np.float32) + np.asarray(y, np.float32)).astype(dtype)  # one rounding to the dtype
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want_s, np.float32))
+    want_h = _oracle(want_s, w)
+    got_h = np.asarray(h, np.float64)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: the output's rounding (2^-8 relative)
+    np.testing.assert_allclose(got_h, want_h, rtol=tol, atol=tol * np.abs(want_h).max())
+    assert np.linalg.norm(got_h - want_h) / np.linalg.norm(want_h) < tol / 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_path_is_the_models_add_then_norm(rng, dtype):
+    x, y, w = _inputs(rng, (3, 5, 64), dtype)
+    s, h = add_rms_norm(x, y, w, EPS)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x + y))
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(rms_norm(x + y, w, EPS)))
+    for name in ("mosaic_tpu", "mosaic_tpu_interpret"):  # no TPU kernel: the reference
+        got = add_rms_norm(x, y, w, EPS, implementation=name)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(h))
+
+
+def test_row_lengths():
+    assert [chunk_size(h) for h in (1024, 2048, 2560, 4096, 5120, 96)] == [1024, 2048, 512, 4096, 1024, 32]
+    assert all(supports(h) for h in (64, 96, 1024, 2048, 2560, 4096, 5120, 8192))
+    assert not supports(100) and not supports(24)  # power-of-two factor < 16: the reference runs
+
+
+def test_unsupported_row_length_falls_back(rng):
+    x, y, w = _inputs(rng, (2, 100), jnp.float32)
+    s, h = add_rms_norm(x, y, w, EPS, implementation="triton_interpret")
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(rms_norm(x + y, w, EPS)))
+
+
+def test_model_with_kernel_matches_xla(rng):
+    cfg = dataclasses.replace(small_config(), mtp_num_hidden_layers=1)
+    params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.1)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), ids.shape)
+
+    def run(backend):
+        logits, hidden, _ = jax.jit(functools.partial(forward, cfg=cfg, backend=backend))(
+            params, ids, pos, init_carry(cfg, 2, 8, jnp.float32))
+        draft, mtp_hidden, _ = jax.jit(functools.partial(mtp_forward, cfg=cfg, backend=backend))(
+            params, ids, hidden, pos, init_mtp_carry(cfg, 2, 8, jnp.float32))
+        return logits, hidden, draft, mtp_hidden
+
+    for got, want in zip(run(Backend(norm="triton_interpret")), run(XLA)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
