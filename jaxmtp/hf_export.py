@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxmtp.config import FULL, Qwen35Config
+from jaxmtp.param_layout import native_layout
 from jaxmtp.safetensors_io import save_file
 
 _ARCH = {
@@ -188,6 +189,7 @@ def hf_tensors(params, cfg: Qwen35Config, *, fused_experts: bool | None = None) 
     ``fused_experts`` defaults to the layout each family's released checkpoints use: fused 3-D for Qwen3.5-MoE,
     per expert for Qwen3-Next.
     """
+    params = native_layout(params, cfg)  # the serving layout of jaxmtp.load exports as well
     if fused_experts is None:
         fused_experts = cfg.family == "qwen3_5_moe"
     t = {"model.embed_tokens.weight": np.asarray(params["embed_tokens"]),

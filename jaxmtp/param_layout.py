@@ -15,7 +15,8 @@ decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
   (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens.
 
 Both mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
-of holding both) and work on numpy (host) or jax (device) arrays.
+of holding both) and work on numpy (host) or jax (device) arrays. :func:`native_layout` undoes them (export reads
+the native layout).
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
     if draft_head and "mtp" in params:
         add_draft_head(params)
     return params
+
+
+def _part_widths(cfg, fused: str, d: dict) -> tuple[int, ...]:
+    if fused == "in_proj_qkvzba":
+        hv = cfg.linear_num_value_heads
+        return (cfg.conv_dim, hv * cfg.linear_value_head_dim, hv, hv)
+    if fused == "qkv_proj":
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
+    i = d["down_proj"].shape[0]  # SwiGLU: gate and up are I wide each
+    return (i, i)
+
+
+def native_layout(params: dict, cfg) -> dict:
+    """The native layout of serving-layout ``params`` (a new tree; arrays shared where unchanged): fused weights
+    split back into their projections (padding dropped) and ``draft_head`` removed. Native params pass unchanged."""
+
+    def walk(node):
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items() if k != "draft_head"}
+            for fused, parts in FUSED_GROUPS.items():
+                if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
+                    w, start = out.pop(fused), 0
+                    for name, width in zip(parts, _part_widths(cfg, fused, out)):
+                        out[name] = w[:, start : start + width]
+                        start += width
+            return out
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+
+    return walk(params)
 
 
 def weight_bytes(params) -> int:

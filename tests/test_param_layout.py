@@ -14,7 +14,7 @@ from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
 from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import quantized_linear
-from jaxmtp.param_layout import add_draft_head, fuse_projections, quantize_rows, serving_layout
+from jaxmtp.param_layout import add_draft_head, fuse_projections, native_layout, quantize_rows, serving_layout
 
 
 def _config(moe: bool) -> Qwen35Config:
@@ -112,3 +112,21 @@ def test_draft_head_tracks_the_exact_head(rng):
     tied = add_draft_head({"embed_tokens": params["lm_head"].T})["draft_head"]
     np.testing.assert_array_equal(np.asarray(tied["weight"]), np.asarray(params["draft_head"]["weight"]))
     assert XLA.draft_head == "xla"
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_native_layout_undoes_the_serving_layout(moe):
+    cfg = _config(moe)
+    native = init_params(cfg, jax.random.key(7), jnp.float32, scale=0.1)
+    serving = serving_layout(_copy(native))
+    back = native_layout(serving, cfg)
+    assert jax.tree.structure(back) == jax.tree.structure(native)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(native)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert native_layout(native, cfg) is not native  # a new tree, same arrays
+    from jaxmtp.hf_export import hf_tensors
+
+    exported, want = hf_tensors(serving, cfg), hf_tensors(native, cfg)
+    assert exported.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(exported[name]), np.asarray(want[name]))
