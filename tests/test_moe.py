@@ -9,7 +9,9 @@ from jaxmtp.pallas.moe import gathered_experts, moe_reference, ragged_experts
 
 
 def numpy_experts(x, w, e, gate_up, down):
+    """float64, token by token and slot by slot."""
     x, w, gate_up, down = (np.asarray(a, np.float64) for a in (x, w, gate_up, down))
+    e = np.asarray(e)
     i = gate_up.shape[-1] // 2
     out = np.zeros_like(x)
     for n in range(x.shape[0]):

@@ -20,6 +20,8 @@ from jaxmtp.pallas.moe.grouped_tpu import moe_experts_tpu
 from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton
 from jaxmtp.pallas.moe.layout import choose_layout, make_layout
 
+from test_moe import numpy_experts as numpy_moe  # the float64 per-token, per-slot oracle
+
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 IMPLS = ["triton_interpret", "mosaic_tpu_interpret"]
 
@@ -34,20 +36,6 @@ def make_inputs(rng, n, h, i, dtype, hot=None, e=8, k=2):
     weights = rng.uniform(0.05, 1.0, (n, k))  # not renormalised
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     return cast(x), cast(weights), jnp.asarray(experts), cast(gate_up), cast(down)
-
-
-def numpy_moe(x, weights, experts, gate_up, down):
-    """float64, token by token and slot by slot."""
-    x, w, gu, dn = (np.asarray(a, np.float64) for a in (x, weights, gate_up, down))
-    e = np.asarray(experts)
-    i = gu.shape[-1] // 2
-    out = np.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j in range(e.shape[1]):
-            hh = x[n] @ gu[e[n, j]]
-            act = hh[:i] / (1 + np.exp(-hh[:i])) * hh[i:]
-            out[n] += w[n, j] * (act @ dn[e[n, j]])
-    return out
 
 
 def rel_err(got, want):
