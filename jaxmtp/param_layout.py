@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
+from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, part_widths
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
 
@@ -98,17 +98,6 @@ def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
     return params
 
 
-def _part_widths(cfg, fused: str, d: dict) -> tuple[int, ...]:
-    if fused == "in_proj_qkvzba":
-        hv = cfg.linear_num_value_heads
-        return (cfg.conv_dim, hv * cfg.linear_value_head_dim, hv, hv)
-    if fused == "qkv_proj":
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
-    i = d["down_proj"].shape[0]  # SwiGLU: gate and up are I wide each
-    return (i, i)
-
-
 def native_layout(params: dict, cfg) -> dict:
     """The native layout of serving-layout ``params`` (a new tree; arrays shared where unchanged): fused weights
     split back into their projections (padding dropped) and ``draft_head`` removed. Native params pass unchanged."""
@@ -119,7 +108,7 @@ def native_layout(params: dict, cfg) -> dict:
             for fused, parts in FUSED_GROUPS.items():
                 if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
                     w, start = out.pop(fused), 0
-                    for name, width in zip(parts, _part_widths(cfg, fused, out)):
+                    for name, width in zip(parts, part_widths(cfg, fused, out)):
                         out[name] = w[:, start : start + width]
                         start += width
             return out

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.model import param_count, param_shapes
+from jaxmtp.param_layout import weight_bytes
 
 
 class EngineConfigError(ValueError):
@@ -76,8 +77,7 @@ def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=j
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * b
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     if weights is None:
-        weights = sum(int(x.size) * x.dtype.itemsize
-                      for x in jax.tree_util.tree_leaves(param_shapes(cfg, dtype, include_mtp=k > 0)))
+        weights = weight_bytes(param_shapes(cfg, dtype, include_mtp=k > 0))
     return MemoryPlan(
         weights=weights,
         kv_per_slot=n_attn * capacity * kv_row,

@@ -49,7 +49,7 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg, k, v = project(p, x, "qkv_proj", (hq * 2 * d, hkv * d, hkv * d), mm)
+    qg, k, v = project(p, x, "qkv_proj", mm, cfg)
     qg = qg.reshape(b, t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b, t, hq * d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)

@@ -106,7 +106,7 @@ def gated_deltanet(
     if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
         return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
-    mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", (cfg.conv_dim, hv * dv, hv, hv), mm)
+    mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
     z = z.reshape(b, t, hv, dv)
     beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
     a = a.astype(jnp.float32)

@@ -20,8 +20,7 @@ from jaxmtp.pallas.moe import moe_experts
 def dense_mlp(p, x: jax.Array, matmul: str = "xla") -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    i = p["down_proj"].shape[0]
-    gate, up = project(p, x, "gate_up_proj", (i, i), mm)
+    gate, up = project(p, x, "gate_up_proj", mm)
     return mm(jax.nn.silu(gate) * up, p["down_proj"])
 
 

@@ -7,7 +7,7 @@ serving. :func:`project` reads either layout, so the layers run on both.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 
@@ -20,18 +20,29 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 FUSED_COLUMN_MULTIPLE = 128
 
 
-def project(p, x: jax.Array, fused: str, widths: Sequence[int], mm: Callable) -> list[jax.Array]:
-    """``[x @ W_i for W_i in FUSED_GROUPS[fused]]``; ``widths`` are the output widths of the parts.
+def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
+    """Output widths of the projections in ``FUSED_GROUPS[fused]`` (``p``: the layer's dict, for the SwiGLU width,
+    which differs between the dense MLP and the MoE shared expert)."""
+    if fused == "in_proj_qkvzba":
+        hv = cfg.linear_num_value_heads
+        return (cfg.conv_dim, hv * cfg.linear_value_head_dim, hv, hv)
+    if fused == "qkv_proj":
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
+    i = p["down_proj"].shape[0]  # SwiGLU: gate and up are I wide each
+    return (i, i)
 
-    x: [..., K]. With ``p[fused]`` present (shape [K, >= sum(widths)]) it is one product sliced into the parts,
-    else one product per part. ``mm(x, w)`` computes a product.
-    """
+
+def project(p, x: jax.Array, fused: str, mm: Callable, cfg=None) -> list[jax.Array]:
+    """``[x @ W_i for W_i in FUSED_GROUPS[fused]]`` for x [..., K]: with ``p[fused]`` present (shape
+    [K, >= sum of the parts' widths]) one product sliced into the parts, else one product per part. ``mm(x, w)``
+    computes a product; ``cfg`` gives the widths (not needed for SwiGLU)."""
     names = FUSED_GROUPS[fused]
     if fused not in p:
         return [mm(x, p[name]) for name in names]
     y = mm(x, p[fused])
     outs, start = [], 0
-    for w in widths:
+    for w in part_widths(cfg, fused, p):
         outs.append(y[..., start : start + w])
         start += w
     return outs

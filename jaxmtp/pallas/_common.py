@@ -54,6 +54,16 @@ def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def delta_rule_token(s, q, k, v, g, beta):
+    """One token of the gated delta rule on a ``[dk, BV]`` float32 state slice, in the GPU kernels' register layout:
+    decay, delta write, read-out. q (normalised, scaled), k: [dk]; v: [BV]; g, beta: scalars. Returns (s, o [BV])."""
+    s = s * jnp.exp(g)
+    kv = jnp.sum(s * k[:, None], axis=0)
+    u = (v - kv) * beta
+    s = s + k[:, None] * u[None, :]
+    return s, jnp.sum(s * q[:, None], axis=0)
+
+
 def pad_to_chunks(chunk: int, q, k, v, g, beta):
     """Right-pad the time axis (1) of ``q, k, v [B, T, H, d]`` and ``g, beta [B, T, H]`` with zeros to a multiple
     of ``chunk``; zero g and beta leave the state unchanged. Returns the padded five and the padding length."""

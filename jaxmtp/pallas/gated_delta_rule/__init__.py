@@ -64,11 +64,12 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
 
 def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
     """Whether :func:`gdn_mixer` runs the one-kernel mixer (GPU Triton, or its interpreter) for T tokens."""
-    from jaxmtp.pallas.gated_delta_rule.mixer_triton import supports
+    from jaxmtp.pallas.gated_delta_rule.mixer_triton import projection_blocks_ok
 
-    return implementation in (TRITON, TRITON_INTERPRET) and supports(
-        cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-        t, MAX_RECURRENT_TOKENS)
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    return (implementation in (TRITON, TRITON_INTERPRET) and 1 <= t <= MAX_RECURRENT_TOKENS
+            and _triton_shapes_ok(dk, dv) and projection_blocks_ok(hk, hv, dk, dv))
 
 
 def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, output_step_states=False,

@@ -28,13 +28,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import l2norm_rows
+from jaxmtp.pallas._common import delta_rule_token, l2norm_rows
 
 
-def supports(hk: int, hv: int, dk: int, dv: int, t: int, max_tokens: int, block_v: int = 32) -> bool:
-    """Head sizes powers of two >= 16, whole v blocks in the projection, at most ``max_tokens`` tokens."""
-    pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
-    return pow2 and hv % hk == 0 and (2 * hk * dk) % min(block_v, dv) == 0 and 1 <= t <= max_tokens
+BLOCK_V = 32  # BV: the dv slice a program owns
+
+
+def projection_blocks_ok(hk: int, hv: int, dk: int, dv: int) -> bool:
+    """The mixer's own shape rule (besides the Triton head sizes): value heads a multiple of key heads, and the v
+    columns of the projection starting on a whole BV block."""
+    return hv % hk == 0 and (2 * hk * dk) % min(BLOCK_V, dv) == 0
 
 
 def _silu(x):
@@ -74,13 +77,8 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
         n_valid = n_valid + valid.astype(jnp.int32)
         g = jnp.where(valid, -jnp.exp(a_log) * _softplus(pa_ref[i, 0].astype(f32) + dt_bias), 0.0)
         beta = jnp.where(valid, jax.nn.sigmoid(pb_ref[i, 0].astype(f32)), 0.0)
-        q = l2norm_rows(qs[i]) * scale
-        k = l2norm_rows(ks[i])
-        s = s * jnp.exp(g)
-        kv = jnp.sum(s * k[:, None], axis=0)
-        u = (vs[i] - kv) * beta
-        s = s + k[:, None] * u[None, :]
-        o_ref[i, :] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
+        o_ref[i, :] = o.astype(o_ref.dtype)
         if mode == "steps":
             s_ref[i, :, :] = s
     if mode == "final":
@@ -116,7 +114,7 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
     km1 = window.shape[1]
     c = 2 * hk * dk + hv * dv
     r = hv // hk
-    bv = min(block_v or 32, dv)
+    bv = min(block_v or BLOCK_V, dv)
     nv = dv // bv
     mode = "steps" if output_step_states else "final"
     bb = c + hv * dv  # the first b column

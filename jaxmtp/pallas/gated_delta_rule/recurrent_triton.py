@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import l2norm_rows, recurrent_setup
+from jaxmtp.pallas._common import delta_rule_token, l2norm_rows, recurrent_setup
 
 
 def _kernel(*refs, t, scale, l2norm, has_init, mode):
@@ -33,11 +33,9 @@ def _kernel(*refs, t, scale, l2norm, has_init, mode):
         if l2norm:
             q, k = l2norm_rows(q), l2norm_rows(k)
         q = q * scale
-        s = s * jnp.exp(g_ref[i].astype(jnp.float32))
-        kv = jnp.sum(s * k[:, None], axis=0)
-        u = (v_ref[i, :].astype(jnp.float32) - kv) * b_ref[i].astype(jnp.float32)
-        s = s + k[:, None] * u[None, :]
-        o_ref[i, :] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        s, o = delta_rule_token(s, q, k, v_ref[i, :].astype(jnp.float32), g_ref[i].astype(jnp.float32),
+                                b_ref[i].astype(jnp.float32))
+        o_ref[i, :] = o.astype(o_ref.dtype)
         if mode == "steps":
             s_refs[0][i, :, :] = s
     if mode == "final":
