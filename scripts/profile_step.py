@@ -122,11 +122,16 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
     }
 
 
-def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, top: int) -> dict:
+def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, top: int,
+            hlo_dir: str | None = None) -> dict:
     room = steps_per_sync * (syncs + 3) * (k + 1) + 16
     eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
                  steps_per_sync=steps_per_sync, check_memory=False)
     fill_synthetic(eng, context, batch * 10 + k)
+    if hlo_dir:  # the optimised HLO of the step loop, to trace kernels (copies, fusions) back to their sources
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"step_b{batch}_k{k}.hlo.txt"), "w") as f:
+            f.write(eng._run.lower(model.params, eng.state).compile().as_text())
     for _ in range(2):  # compile and warm
         eng.state, out = eng._run(model.params, eng.state)
         jax.device_get(out)
@@ -166,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (bench_decode.random_model)")
     ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="profile_step.json")
+    ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
     args = ap.parse_args(argv)
 
     over = {}
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
         for k in ks.split(","):
-            r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top)
+            r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top,
+                        args.hlo_dir)
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
                                            int8_draft_head="draft_head" in model.params)["total"]
             result["runs"].append(r)
