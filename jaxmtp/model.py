@@ -25,14 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import FULL, Qwen35Config
-from jaxmtp.layers.attention import KVCache, attention_core, gated_attention
-from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet, gdn_mix
+from jaxmtp.layers.attention import KVCache, gated_attention
+from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
-from jaxmtp.layers.projections import split_fused
 from jaxmtp.layers.rope import rope_angles
-from jaxmtp.pallas import KERNELS, XLA, Backend
-from jaxmtp.pallas.matmul import fused_triton, linear, linear_residual, norm_linear, quantized_linear
+from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas.matmul import linear, quantized_linear
 from jaxmtp.pallas.norms import add_rms_norm
 
 Params = dict[str, Any]
@@ -188,49 +187,6 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     return x, mlp, carry
 
 
-def fused_decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *,
-                        gdn_form="recurrent", step_states=False, backend: Backend = XLA):
-    """:func:`decoder_layer` with each RMSNorm folded into the product after it and each residual add into the
-    product before it (:func:`jaxmtp.pallas.matmul.norm_linear` / :func:`~jaxmtp.pallas.matmul.linear_residual`,
-    ``backend.blocks``): about 5 kernels per dense GDN block instead of 13. Needs the serving layout. Returns
-    ``(x + mixer(norm(x)) + mlp(norm(...)), new layer carry)``."""
-    eps, impl = cfg.rms_norm_eps, backend.blocks
-    b, t, _ = x.shape
-    if layer_type == FULL:
-        p = lp["self_attn"]
-        qkv = norm_linear(x, lp["input_layernorm"], p["qkv_proj"], eps=eps, implementation=impl)
-        qg, k, v = split_fused(qkv, "qkv_proj", p, cfg)
-        o, carry = attention_core(p, cfg, qg, k, v, positions, cos, sin, carry, implementation=backend.attention)
-        x = linear_residual(o, p["o_proj_t"], x, (qkv,), prologue=fused_triton.SIGMOID_GATE, head_dim=cfg.head_dim,
-                            implementation=impl)
-    else:
-        p = lp["linear_attn"]
-        proj = norm_linear(x, lp["input_layernorm"], p["in_proj_qkvzba"], eps=eps, implementation=impl)
-        rule = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
-        o, _, carry = gdn_mix(p, cfg, proj, positions >= 0, carry, form=gdn_form, step_states=step_states,
-                              implementation=rule, mixer=backend.gdn_mixer)
-        x = linear_residual(o.reshape(b, t, -1), p["out_proj_t"], x, (proj, p["norm"]),
-                            prologue=fused_triton.GATED_RMS, aux_offset=cfg.conv_dim,
-                            head_dim=cfg.linear_value_head_dim, eps=eps, implementation=impl)
-    if moe:
-        h = rms_norm(x, lp["post_attention_layernorm"], eps)
-        return x + moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul), carry
-    m = lp["mlp"]
-    a = norm_linear(x, lp["post_attention_layernorm"], m["gate_up_proj"], eps=eps,
-                    swiglu_width=m["down_proj_t"].shape[1], implementation=impl)
-    return linear_residual(a, m["down_proj_t"], x, implementation=impl), carry
-
-
-def use_fused_blocks(params: Params, backend: Backend, rows: int) -> bool:
-    """Whether a forward over ``rows`` tokens runs :func:`fused_decoder_layer`: a kernel named by
-    ``backend.blocks``, at most ``fused_triton.MAX_ROWS`` rows, params in the serving layout."""
-    if backend.blocks not in (*KERNELS, "jnp") or rows > fused_triton.MAX_ROWS:
-        return False
-    lp = params["layers"][0]
-    mixer = lp.get("linear_attn") or lp["self_attn"]
-    return ("in_proj_qkvzba" in mixer or "qkv_proj" in mixer) and ("out_proj_t" in mixer or "o_proj_t" in mixer)
-
-
 def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array:
     """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads read the embedding ``[V, H]``)."""
     if "lm_head" in params:
@@ -279,14 +235,6 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     form = _gdn_form(gdn_form, tokens.shape[1], backend)
     layers, eps = params["layers"], cfg.rms_norm_eps
-    if use_fused_blocks(params, backend, tokens.size):
-        new_carry = []
-        for i, lp in enumerate(layers):
-            x, c = fused_decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin,
-                                       carry[i], gdn_form=form, step_states=step_states, backend=backend)
-            new_carry.append(c)
-        hidden = rms_norm(x, params["norm"], eps)
-        return select_logits(params, hidden, positions, logits, backend.matmul), hidden, tuple(new_carry)
     h, new_carry = rms_norm(x, layers[0]["input_layernorm"], eps), []
     for i, lp in enumerate(layers):
         x, mlp, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin, carry[i],
@@ -315,14 +263,9 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
-    if use_fused_blocks(params, backend, next_tokens.size):
-        z, c = fused_decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
-                                   backend=backend)
-        hm = rms_norm(z, mp["norm"], eps)
-    else:
-        z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin,
-                                  mtp_carry[j], backend=backend)
-        _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
+    z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
+                              backend=backend)
+    _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
     logits = select_logits(params, hm, positions, logits, head=lambda h: draft_head(params, h, backend))
     return logits, hm, new_carry

@@ -1,15 +1,12 @@
 """The serving layout of the params: what :func:`jaxmtp.load` hands the engine, derived from the native layout.
 
 The native layout (:func:`jaxmtp.model.param_shapes`) mirrors the checkpoint; conversion and export read it. For
-decoding, three changes cut the bytes and kernels of a step (docs/performance.md):
+decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
 
 * **Fused projections** (:func:`fuse_projections`): the projections that read the same input are concatenated into
   one weight (:data:`jaxmtp.layers.projections.FUSED_GROUPS`: GDN ``in_proj_qkv|z|b|a``, attention ``q|k|v_proj``,
   SwiGLU ``gate|up_proj``), so a layer runs one larger product where it ran two to four. Exact: each output column
   is the same dot product as before.
-* **Transposed output projections** (:func:`transpose_outputs`): GDN ``out_proj``, attention ``o_proj`` and the
-  SwiGLU ``down_proj`` are stored ``[out, in]`` (as ``<name>_t``), the layout in which the kernel that adds the
-  residual after them reads one contiguous weight row per output column (:mod:`jaxmtp.pallas.matmul.fused_triton`).
 * **int8 draft head** (:func:`add_draft_head`): the MTP drafts read the LM head once per draft token, and at batch 1
   that read is most of what drafting costs (1.27 GB per draft for the 4B's tied 248k x 2560 head). ``draft_head``
   holds the head as int8 ``[V, H]`` with a float32 scale per vocabulary row (absmax / 127), read at half the
@@ -17,7 +14,7 @@ decoding, three changes cut the bytes and kernels of a step (docs/performance.md
   unchanged; a draft can differ from the exact head's only where two logits are within the rounding error
   (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens.
 
-All mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
+Both mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
 of holding both) and work on numpy (host) or jax (device) arrays. :func:`native_layout` undoes them (export reads
 the native layout).
 """
@@ -28,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, TRANSPOSED, part_widths
+from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, part_widths
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
 
@@ -51,35 +48,20 @@ def _fuse_dict(d: dict) -> None:
         del ws
 
 
-def _walk_dicts(node, fn) -> None:
-    if isinstance(node, dict):
-        fn(node)
-        for v in node.values():
-            _walk_dicts(v, fn)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _walk_dicts(v, fn)
-
-
 def fuse_projections(params: dict) -> dict:
     """Replace every group of :data:`FUSED_GROUPS` found in a dict of ``params`` by its fused weight (in place;
     returns ``params``). Already fused or partial groups are left as they are."""
-    _walk_dicts(params, _fuse_dict)
-    return params
 
+    def walk(node):
+        if isinstance(node, dict):
+            _fuse_dict(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
 
-def _transpose_dict(d: dict) -> None:
-    for name in TRANSPOSED:
-        if name in d and d[name].ndim == 2:  # not the MoE experts' [E, I, H]
-            w = d.pop(name)
-            d[name + "_t"] = np.ascontiguousarray(w.T) if isinstance(w, np.ndarray) else w.T
-            del w
-
-
-def transpose_outputs(params: dict) -> dict:
-    """Store each output projection of :data:`TRANSPOSED` as ``<name>_t [out, in]`` (in place; returns
-    ``params``), the layout the fused residual kernel reads."""
-    _walk_dicts(params, _transpose_dict)
+    walk(params)
     return params
 
 
@@ -109,10 +91,8 @@ def add_draft_head(params: dict) -> dict:
 
 
 def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
-    """:func:`fuse_projections`, :func:`transpose_outputs`, then (``draft_head`` and an MTP head present)
-    :func:`add_draft_head`. In place."""
+    """:func:`fuse_projections`, then (``draft_head`` and an MTP head present) :func:`add_draft_head`. In place."""
     fuse_projections(params)
-    transpose_outputs(params)
     if draft_head and "mtp" in params:
         add_draft_head(params)
     return params
@@ -120,15 +100,11 @@ def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
 
 def native_layout(params: dict, cfg) -> dict:
     """The native layout of serving-layout ``params`` (a new tree; arrays shared where unchanged): fused weights
-    split back into their projections (padding dropped), output projections transposed back and ``draft_head``
-    removed. Native params pass unchanged."""
+    split back into their projections (padding dropped) and ``draft_head`` removed. Native params pass unchanged."""
 
     def walk(node):
         if isinstance(node, dict):
             out = {k: walk(v) for k, v in node.items() if k != "draft_head"}
-            for name in TRANSPOSED:
-                if name + "_t" in out:
-                    out[name] = out.pop(name + "_t").T
             for fused, parts in FUSED_GROUPS.items():
                 if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
                     w, start = out.pop(fused), 0

@@ -367,10 +367,9 @@ def _model_check(label, cfg, kernels):
     from jaxmtp.layers.gated_deltanet import GDNSteps
     from jaxmtp.model import forward, init_carry, init_params
     from jaxmtp.pallas import XLA
-    from jaxmtp.param_layout import serving_layout
+    from jaxmtp.param_layout import fuse_projections
 
-    # serving layout: the fused mixer and the fused blocks (decode and verify rows <= 16) run too
-    params = serving_layout(init_params(cfg, jax.random.key(0), jnp.bfloat16), draft_head=False)
+    params = fuse_projections(init_params(cfg, jax.random.key(0), jnp.bfloat16))  # serving layout: fused mixer too
     b, t0, cap = 2, 200, 256
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)

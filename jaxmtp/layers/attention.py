@@ -2,8 +2,7 @@
 
 Weights (native layout, ``x @ W``): ``q_proj [H, Hq*2*D]`` (per-head interleaved [q_h | gate_h]),
 ``k_proj``/``v_proj [H, Hkv*D]``, ``o_proj [Hq*D, H]``, ``q_norm``/``k_norm [D]`` (zero-centred, per head). The
-serving layout holds ``qkv_proj`` (q, k, v concatenated) and ``o_proj_t [H, Hq*D]`` instead
-(:mod:`jaxmtp.layers.projections`).
+serving layout holds ``qkv_proj`` (q, k, v concatenated) instead (:mod:`jaxmtp.layers.projections`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import rms_norm
-from jaxmtp.layers.projections import project, project_out
+from jaxmtp.layers.projections import project
 from jaxmtp.layers.rope import apply_rope
 from jaxmtp.pallas.attention import cached_attention
 from jaxmtp.pallas.matmul import linear
@@ -49,23 +48,15 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     ``implementation`` names the attention kernel, ``matmul`` the projections'."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
-    hq, d = cfg.num_attention_heads, cfg.head_dim
-    qg, k, v = project(p, x, "qkv_proj", mm, cfg)
-    o, cache = attention_core(p, cfg, qg, k, v, positions, cos, sin, cache, implementation=implementation)
-    gate = qg.reshape(b, t, hq, 2 * d)[..., d:].reshape(b, t, hq * d)
-    o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return project_out(p, o, "o_proj", matmul), cache
-
-
-def attention_core(p, cfg: Qwen35Config, qg, k, v, positions, cos, sin, cache: KVCache, *, implementation="xla"):
-    """From the projections to the attention output before its gate: qg [B, T, Hq*2D] (per head [q_h | gate_h]),
-    k, v [B, T, Hkv*D]. Returns (o [B, T, Hq*D], cache)."""
-    b, t = qg.shape[:2]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = rms_norm(qg.reshape(b, t, hq, 2 * d)[..., :d], p["q_norm"], cfg.rms_norm_eps)
+    qg, k, v = project(p, x, "qkv_proj", mm, cfg)
+    qg = qg.reshape(b, t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(b, t, hq * d)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k.reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
     v = v.reshape(b, t, hkv, d)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv(cache, k, v, positions)
     o = cached_attention(q, cache.k, cache.v, positions, implementation=implementation)
-    return o.reshape(b, t, hq * d), cache
+    o = o.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return mm(o, p["o_proj"]), cache

@@ -3,8 +3,8 @@
 Weights (native layout, ``x @ W``): ``in_proj_qkv [H, C]`` with C = [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)],
 ``in_proj_z [H, Hv*dv]``, ``in_proj_b``/``in_proj_a [H, Hv]``, ``conv1d [K, C]`` (depthwise, no bias),
 ``A_log``/``dt_bias [Hv]`` (float32), ``norm [dv]`` (plain-weight gated RMSNorm), ``out_proj [Hv*dv, H]``. The
-serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated) and ``out_proj_t [H, Hv*dv]``
-instead; see :mod:`jaxmtp.layers.projections`.
+serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated) instead; see
+:mod:`jaxmtp.layers.projections`.
 
 Rollback for speculative decoding: :func:`gated_deltanet` can return a :class:`GDNSteps` (the raw conv inputs of
 the window and the state after every token); :func:`select_step` turns it into the carry after any accepted prefix.
@@ -19,7 +19,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
-from jaxmtp.layers.projections import project, project_out, split_fused
+from jaxmtp.layers.projections import project
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
@@ -100,28 +100,13 @@ def gated_deltanet(
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
-    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    fused = "in_proj_qkvzba" in p
-    proj = mm(x, p["in_proj_qkvzba"]) if fused else project(p, x, "in_proj_qkvzba", mm, cfg)
-    o, z, new = gdn_mix(p, cfg, proj, valid, carry, form=form, step_states=step_states,
-                        implementation=implementation, mixer=mixer)
-    y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, -1)
-    return project_out(p, y, "out_proj", matmul), new
-
-
-def gdn_mix(p, cfg: Qwen35Config, proj, valid: jax.Array, carry: GDNCarry, *, form: str = "chunk",
-            step_states: bool = False, implementation: str = "xla", mixer: str = "xla"):
-    """From the input projection to the rule's output: ``proj`` is the fused projection's output [B, T, P] (serving
-    layout) or its four parts (conv inputs [B, T, C], z [B, T, Hv*dv], b, a [B, T, Hv]). Returns (o [B, T, Hv, dv],
-    z [B, T, Hv, dv], GDNCarry | GDNSteps)."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    fused = not isinstance(proj, (list, tuple))
-    b, t = valid.shape
-    if fused and (step_states or form == "recurrent") and use_fused_mixer(cfg, t, mixer):
-        return _fused_mixer(p, cfg, proj, valid, carry, step_states, mixer)
+    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
+        return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
-    mixed, z, b_raw, a = split_fused(proj, "in_proj_qkvzba", p, cfg) if fused else proj
+    mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
     z = z.reshape(b, t, hv, dv)
     beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
     a = a.astype(jnp.float32)
@@ -131,7 +116,7 @@ def gdn_mix(p, cfg: Qwen35Config, proj, valid: jax.Array, carry: GDNCarry, *, fo
     beta = jnp.where(valid[..., None], beta, 0.0)
 
     conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
-    c = causal_conv(conv_inputs, p["conv1d"]).astype(mixed.dtype)
+    c = causal_conv(conv_inputs, p["conv1d"]).astype(x.dtype)
     q = c[..., : hk * dk].reshape(b, t, hk, dk)
     k = c[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
     v = c[..., 2 * hk * dk :].reshape(b, t, hv, dv)
@@ -146,22 +131,26 @@ def gdn_mix(p, cfg: Qwen35Config, proj, valid: jax.Array, carry: GDNCarry, *, fo
     else:
         raise ValueError(f"unknown GDN form {form!r}")
 
+    y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
+    y = mm(y, p["out_proj"])
     if step_states:
-        return o, z, GDNSteps(conv_inputs, states)
+        return y, GDNSteps(conv_inputs, states)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
-    return o, z, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
+    return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
 
 
-def _fused_mixer(p, cfg: Qwen35Config, proj, valid, carry: GDNCarry, step_states: bool, implementation: str):
+def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: bool, implementation: str, mm):
     """The recurrent path with conv, gates and rule in one kernel after the fused input projection
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
-    b, t, _ = proj.shape
+    b, t, _ = x.shape
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    proj = mm(x, p["in_proj_qkvzba"])
     o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
                        output_step_states=step_states, implementation=implementation)
     z = proj[..., cfg.conv_dim : cfg.conv_dim + hv * dv].reshape(b, t, hv, dv)
+    y = mm(gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv), p["out_proj"])
     if step_states:
         conv_inputs = jnp.concatenate([carry.conv, proj[..., : cfg.conv_dim].astype(carry.conv.dtype)], axis=1)
-        return o, z, GDNSteps(conv_inputs, out)
+        return y, GDNSteps(conv_inputs, out)
     state, window = out
-    return o, z, GDNCarry(window, state)
+    return y, GDNCarry(window, state)

@@ -3,7 +3,7 @@
 Native layouts (``x @ W``): dense ``gate_proj``/``up_proj [H, I]``, ``down_proj [I, H]``; MoE router ``gate [H, E]``,
 experts ``gate_up_proj [E, H, 2I]`` (columns [0, I) gate, [I, 2I) up) and ``down_proj [E, I, H]``, shared expert as a
 dense MLP, ``shared_expert_gate [H, 1]``. The serving layout holds a dense ``gate_up_proj [H, 2I]`` instead of
-``gate_proj``/``up_proj`` and ``down_proj_t [I, H]^T`` (:mod:`jaxmtp.layers.projections`).
+``gate_proj``/``up_proj`` (:mod:`jaxmtp.layers.projections`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import project, project_out
+from jaxmtp.layers.projections import project
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.moe import moe_experts
 
@@ -21,7 +21,7 @@ def dense_mlp(p, x: jax.Array, matmul: str = "xla") -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     gate, up = project(p, x, "gate_up_proj", mm)
-    return project_out(p, jax.nn.silu(gate) * up, "down_proj", matmul)
+    return mm(jax.nn.silu(gate) * up, p["down_proj"])
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):

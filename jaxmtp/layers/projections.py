@@ -11,8 +11,6 @@ from typing import Callable
 
 import jax
 
-from jaxmtp.pallas.matmul import linear
-
 # fused name -> the projections it concatenates, in column order
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # GDN
@@ -20,10 +18,6 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),  # SwiGLU (dense MLP, MoE shared expert)
 }
 FUSED_COLUMN_MULTIPLE = 128
-
-# Output projections that the serving layout stores transposed, ``[out, in]`` under ``<name>_t``: the kernel that
-# adds the residual after them (:func:`jaxmtp.pallas.matmul.linear_residual`) reads a weight row per output column.
-TRANSPOSED = ("out_proj", "o_proj", "down_proj")
 
 
 def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
@@ -35,20 +29,8 @@ def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
     if fused == "qkv_proj":
         kv = cfg.num_key_value_heads * cfg.head_dim
         return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
-    i = p["down_proj"].shape[0] if "down_proj" in p else p["down_proj_t"].shape[1]  # SwiGLU: gate, up I wide
+    i = p["down_proj"].shape[0]  # SwiGLU: gate and up are I wide each
     return (i, i)
-
-
-def output_weight_t(p, name: str) -> jax.Array:
-    """The output projection ``name`` (one of :data:`TRANSPOSED`) as ``[out, in]``."""
-    return p[name + "_t"] if name + "_t" in p else p[name].T
-
-
-def project_out(p, x: jax.Array, name: str, implementation: str = "xla") -> jax.Array:
-    """``x @ W`` for an output projection in either layout (:func:`jaxmtp.pallas.matmul.linear`)."""
-    if name + "_t" in p:
-        return linear(x, p[name + "_t"], transpose_w=True, implementation=implementation)
-    return linear(x, p[name], implementation=implementation)
 
 
 def project(p, x: jax.Array, fused: str, mm: Callable, cfg=None) -> list[jax.Array]:
@@ -58,11 +40,7 @@ def project(p, x: jax.Array, fused: str, mm: Callable, cfg=None) -> list[jax.Arr
     names = FUSED_GROUPS[fused]
     if fused not in p:
         return [mm(x, p[name]) for name in names]
-    return split_fused(mm(x, p[fused]), fused, p, cfg)
-
-
-def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
-    """The parts of a fused projection's output ``y [..., >= sum of widths]``."""
+    y = mm(x, p[fused])
     outs, start = [], 0
     for w in part_widths(cfg, fused, p):
         outs.append(y[..., start : start + w])

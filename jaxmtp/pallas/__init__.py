@@ -28,7 +28,6 @@ class Backend:
     draft_head: str = "xla"  # the int8 draft head's product (jaxmtp.pallas.matmul.quantized_linear)
     norm: str = "xla"  # residual add + the next RMSNorm between blocks (jaxmtp.pallas.norms.add_rms_norm)
     gdn_mixer: str = "xla"  # conv + gates + rule of a decode/verify step in one kernel (serving layout only)
-    blocks: str = "xla"  # norms and residual adds fused into the products of few-row steps (serving layout only)
 
 
 XLA = Backend()
@@ -67,7 +66,7 @@ def _platform() -> str:
 # The fused add + RMSNorm kernel is not registered: in the decode step XLA fuses the add and the norm into their
 # neighbours, and the kernel made the step 3% faster to 6% slower (H200, 0.8B and 4B shapes, B = 1 and 8).
 _AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON, draft_head=TRITON,
-                        gdn_mixer=TRITON, blocks=TRITON)}
+                        gdn_mixer=TRITON)}
 MATMUL_KERNEL_MAX_HIDDEN = 2048
 
 

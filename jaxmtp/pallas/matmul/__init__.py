@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul import fused_triton
-from jaxmtp.pallas.matmul.reference import (linear_residual_reference, matmul_reference, norm_linear_reference,
-                                            quantized_matmul_reference)
+from jaxmtp.pallas.matmul.reference import matmul_reference, quantized_matmul_reference
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
@@ -47,62 +45,5 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return quantized_matmul_reference(x, q, scale)
 
 
-# Tiles of the fused kernels (H200 sweep, docs/performance.md): norm -> product over [K, N] column slabs of BN;
-# product -> + residual over rows of the [N, K] weight, BN rows per program, BK columns per loop step.
-NORM_LINEAR_TILES = dict(block_n=64, block_k=256, num_warps=4, num_stages=3)
-LINEAR_RESIDUAL_TILES = dict(block_n=32, block_k=1024, num_warps=4, num_stages=3)
-
-
-def _rows(x) -> int:
-    return math.prod(x.shape[:-1])
-
-
-def _divisor_tile(size: int, preferred: int, smallest: int = 16) -> int:
-    """The largest power of two <= ``preferred`` (and >= ``smallest``) dividing ``size``; 0 if none."""
-    b = preferred
-    while b >= smallest:
-        if size % b == 0:
-            return b
-        b //= 2
-    return 0
-
-
-def norm_linear(x, norm_w, w, *, eps: float, swiglu_width: int | None = None, implementation: str = "xla"):
-    """``rms_norm(x) @ w``, or with ``swiglu_width`` I ``silu(h @ w[:, :I]) * (h @ w[:, I:2I])``; x [..., K],
-    w [K, N]. ``"triton"`` runs :func:`fused_triton.norm_linear_triton` for up to ``fused_triton.MAX_ROWS`` rows."""
-    k = x.shape[-1]
-    n = swiglu_width or w.shape[1]
-    t = dict(NORM_LINEAR_TILES, block_n=_divisor_tile(n, NORM_LINEAR_TILES["block_n"]),
-             block_k=_divisor_tile(k, NORM_LINEAR_TILES["block_k"]))
-    if implementation in (TRITON, TRITON_INTERPRET) and t["block_n"] and t["block_k"] and (
-            fused_triton.norm_linear_supported(_rows(x), k, n, t["block_n"], t["block_k"])):
-        return fused_triton.norm_linear_triton(x, norm_w, w, eps=eps, swiglu_width=swiglu_width,
-                                               interpret=implementation == TRITON_INTERPRET, **t)
-    return norm_linear_reference(x, norm_w, w, eps=eps, swiglu_width=swiglu_width)
-
-
-def linear_residual(x, w_t, residual, aux=(), *, prologue: str = "none", aux_offset: int = 0, head_dim: int = 0,
-                    eps: float = 1e-6, implementation: str = "xla"):
-    """``residual + prologue(x) @ w_t^T``; x [..., K], w_t [N, K] (see :func:`fused_triton.linear_residual_triton`
-    for the prologues). ``"triton"`` runs the kernel for up to ``fused_triton.MAX_ROWS`` rows."""
-    k = x.shape[-1]
-    if prologue == fused_triton.GATED_RMS:
-        sub = head_dim
-    else:  # the sigmoid gate's sub-chunks stay within a head
-        sub = _divisor_tile(k, min(128, head_dim) if prologue == fused_triton.SIGMOID_GATE else 128)
-    t = dict(LINEAR_RESIDUAL_TILES, block_n=_divisor_tile(w_t.shape[0], LINEAR_RESIDUAL_TILES["block_n"]))
-    # the largest multiple of sub dividing K, up to the tile's block_k
-    t["block_k"] = max([b for b in range(sub, max(t["block_k"], sub) + 1, sub) if k % b == 0] or [sub]) if sub else 0
-    kw = dict(prologue=prologue, aux_offset=aux_offset, head_dim=head_dim, eps=eps)
-    if (implementation in (TRITON, TRITON_INTERPRET) and sub and t["block_n"]
-            and fused_triton.linear_residual_supported(_rows(x), x.shape[-1], w_t.shape[0], t["block_n"],
-                                                       t["block_k"], sub)
-            and (prologue != fused_triton.SIGMOID_GATE or head_dim % sub == 0)):
-        return fused_triton.linear_residual_triton(x, w_t, residual, tuple(aux), sub_k=sub,
-                                                   interpret=implementation == TRITON_INTERPRET, **kw, **t)
-    return linear_residual_reference(x, w_t, residual, tuple(aux), **kw)
-
-
-__all__ = ["MAX_ROWS", "linear", "linear_residual", "linear_residual_reference", "matmul_reference", "norm_linear",
-           "norm_linear_reference", "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton",
-           "supports"]
+__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized_linear", "quantized_matmul_reference",
+           "skinny_matmul_triton", "supports"]
