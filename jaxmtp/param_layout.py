@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, part_widths
+from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
 
@@ -107,10 +107,7 @@ def native_layout(params: dict, cfg) -> dict:
             out = {k: walk(v) for k, v in node.items() if k != "draft_head"}
             for fused, parts in FUSED_GROUPS.items():
                 if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
-                    w, start = out.pop(fused), 0
-                    for name, width in zip(parts, part_widths(cfg, fused, out)):
-                        out[name] = w[:, start : start + width]
-                        start += width
+                    out.update(zip(parts, split_fused(out.pop(fused), fused, out, cfg)))
             return out
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v) for v in node)

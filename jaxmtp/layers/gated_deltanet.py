@@ -19,7 +19,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
-from jaxmtp.layers.projections import project
+from jaxmtp.layers.projections import project, split_fused
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
@@ -147,10 +147,11 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: b
     proj = mm(x, p["in_proj_qkvzba"])
     o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
                        output_step_states=step_states, implementation=implementation)
-    z = proj[..., cfg.conv_dim : cfg.conv_dim + hv * dv].reshape(b, t, hv, dv)
-    y = mm(gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv), p["out_proj"])
+    mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
+    y = mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
+           p["out_proj"])
     if step_states:
-        conv_inputs = jnp.concatenate([carry.conv, proj[..., : cfg.conv_dim].astype(carry.conv.dtype)], axis=1)
+        conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
         return y, GDNSteps(conv_inputs, out)
     state, window = out
     return y, GDNCarry(window, state)

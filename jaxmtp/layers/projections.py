@@ -40,7 +40,12 @@ def project(p, x: jax.Array, fused: str, mm: Callable, cfg=None) -> list[jax.Arr
     names = FUSED_GROUPS[fused]
     if fused not in p:
         return [mm(x, p[name]) for name in names]
-    y = mm(x, p[fused])
+    return split_fused(mm(x, p[fused]), fused, p, cfg)
+
+
+def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
+    """The parts of ``y [..., >= sum of widths]`` along its last axis, in ``FUSED_GROUPS[fused]`` order (padding
+    dropped): a fused projection's output, or the fused weight's columns."""
     outs, start = [], 0
     for w in part_widths(cfg, fused, p):
         outs.append(y[..., start : start + w])
