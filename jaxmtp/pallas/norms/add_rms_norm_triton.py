@@ -35,19 +35,23 @@ def supports(h: int) -> bool:
 
 
 def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps):
+    # Every load is issued before the first store: Triton keeps memory operations in program order where it cannot
+    # prove the pointers distinct, so interleaving "load chunk j, store chunk j" costs one memory round trip per
+    # chunk (5 at H = 2560: the kernel took ~5 us in the 4B decode step, docs/kernels.md).
     n = x_ref.shape[-1]
-    parts, sq = [], jnp.zeros((chunk,), jnp.float32)
-    for j in range(n // chunk):
-        sl = pl.ds(j * chunk, chunk)
-        s = (x_ref[sl].astype(jnp.float32) + y_ref[sl].astype(jnp.float32)).astype(s_ref.dtype)
-        s_ref[sl] = s
+    sls = [pl.ds(j * chunk, chunk) for j in range(n // chunk)]
+    xs = [x_ref[sl] for sl in sls]
+    ys = [y_ref[sl] for sl in sls]
+    ws = [w_ref[sl] for sl in sls]
+    ss = [(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype) for x, y in zip(xs, ys)]
+    sq = jnp.zeros((chunk,), jnp.float32)
+    for s in ss:
         s32 = s.astype(jnp.float32)
         sq = sq + s32 * s32  # one cross-thread reduction at the end, not one per chunk
-        parts.append(s32)
     inv = jax.lax.rsqrt(jnp.sum(sq) / n + eps)
-    for j, s32 in enumerate(parts):
-        sl = pl.ds(j * chunk, chunk)
-        h_ref[sl] = (s32 * inv * (1.0 + w_ref[sl].astype(jnp.float32))).astype(h_ref.dtype)
+    for sl, s, w in zip(sls, ss, ws):
+        s_ref[sl] = s
+        h_ref[sl] = (s.astype(jnp.float32) * inv * (1.0 + w.astype(jnp.float32))).astype(h_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
