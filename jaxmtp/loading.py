@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxmtp import checkpoint
 from jaxmtp.config import ConfigError, Qwen35Config
-from jaxmtp.model import forward, init_carry, init_mtp_carry, mtp_forward
+from jaxmtp.draft_vocab import read_draft_vocab
+from jaxmtp.model import draft_vocab_logits, forward, init_carry, init_mtp_carry, mtp_forward
 from jaxmtp.param_layout import serving_layout
 from jaxmtp.pallas import Backend, resolve_backend
 
@@ -86,7 +87,7 @@ class Model:
             carry = init_mtp_carry(cfg, b, t - 1, self.dtype)
             logits, _, _ = mtp_forward(params, tokens[:, 1:], hidden[:, :-1], positions, carry, cfg=cfg,
                                        backend=self.backend)
-            return logits
+            return draft_vocab_logits(params, logits, cfg.vocab_size)
 
         return run
 
@@ -99,7 +100,8 @@ class Model:
     def draft_logits(self, token_ids, exact_head: bool = False) -> np.ndarray:
         """Teacher-forced MTP logits ``[B, T-1, V]``: row p predicts token p+2 from the target's final-normed hidden
         at p and the embedding of token p+1. They come from the head the drafts use (the int8 draft head when
-        loaded with one); ``exact_head=True`` scores with the LM head itself."""
+        loaded with one; with a hot draft vocabulary, ids outside it hold the float32 minimum);
+        ``exact_head=True`` scores with the LM head itself over the whole vocabulary."""
         if not self.config.has_mtp:
             raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
         tokens = self._as_batch(token_ids)
@@ -153,13 +155,15 @@ def _chat_template(path: str) -> str | None:
 
 
 def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
-         progress: bool = True, int8_draft_head: bool = True) -> Model:
+         progress: bool = True, int8_draft_head: bool = True, draft_vocab=None) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
     ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless. The params come in the serving
     layout (:mod:`jaxmtp.param_layout`): fused projections and, with ``int8_draft_head`` and an MTP head, an int8
-    copy of the LM head for the drafts (outputs unchanged; costs V x H bytes of memory).
+    copy of the LM head for the drafts (outputs unchanged; costs V x H bytes of memory). ``draft_vocab`` (token ids,
+    or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
+    N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).
     """
     if path is None:
         from jaxmtp.default_model import default_model_path
@@ -171,11 +175,19 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
+    ids = None
+    if draft_vocab is not None:  # checked before any weight is read
+        cfg0 = Qwen35Config.from_pretrained(path)
+        if not cfg0.has_mtp:
+            raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
+        ids = read_draft_vocab(draft_vocab, cfg0.vocab_size)
     if checkpoint.is_native(path):
         params, cfg = checkpoint.load_native(path, dtype)
     else:
         params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
-    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head))
+    if ids is not None and not cfg.has_mtp:  # the config can name MTP layers that the checkpoint lacks
+        raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
+    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids))
     return Model(
         config=cfg,
         params=params,

@@ -195,12 +195,33 @@ def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array
 
 
 def draft_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
-    """The MTP drafts' logits [..., V] (float32): the int8 ``draft_head`` of the serving layout
-    (:mod:`jaxmtp.param_layout`) when present, else the LM head."""
+    """The MTP drafts' logits [..., N] (float32) from the serving layout's ``draft_head`` (:mod:`jaxmtp.param_layout`:
+    int8 or not, over the whole vocabulary or a hot subset of N ids) when present, else the LM head's [..., V].
+    :func:`draft_tokens` turns them into token ids."""
     if "draft_head" in params:
         dh = params["draft_head"]
-        return quantized_linear(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+        if "scale" in dh:
+            return quantized_linear(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+        return linear(hidden, dh["weight"], transpose_w=True, out_dtype=jnp.float32, implementation=backend.matmul)
     return lm_head(params, hidden, backend.matmul)
+
+
+def draft_tokens(params: Params, logits: jax.Array) -> jax.Array:
+    """Greedy drafts: int32 token ids [...] of the argmax of :func:`draft_head` logits [..., N] (mapped through the
+    hot vocabulary's ids when the draft head has one)."""
+    idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    dh = params.get("draft_head")
+    return dh["ids"][idx] if dh is not None and "ids" in dh else idx
+
+
+def draft_vocab_logits(params: Params, logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Draft logits [..., N] spread over the whole vocabulary [..., V]: ids outside the hot vocabulary get the float32
+    minimum (identity without one). For scoring; the engine maps the argmax instead (:func:`draft_tokens`)."""
+    dh = params.get("draft_head")
+    if dh is None or "ids" not in dh:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), jnp.finfo(jnp.float32).min, jnp.float32)
+    return full.at[..., dh["ids"]].set(logits)
 
 
 def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str, matmul: str = "xla",

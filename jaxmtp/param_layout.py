@@ -12,7 +12,8 @@ decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
   holds the head as int8 ``[V, H]`` with a float32 scale per vocabulary row (absmax / 127), read at half the
   bytes. Drafts only propose: the target model verifies each token with its own bfloat16 head, so outputs are
   unchanged; a draft can differ from the exact head's only where two logits are within the rounding error
-  (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens.
+  (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens. Given a hot draft
+  vocabulary (:mod:`jaxmtp.draft_vocab`), the draft head holds only those rows.
 
 Both mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
 of holding both) and work on numpy (host) or jax (device) arrays. :func:`native_layout` undoes them (export reads
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
@@ -81,20 +83,34 @@ def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HE
     return xp.concatenate(qs, axis=0), xp.concatenate(scales, axis=0)
 
 
-def add_draft_head(params: dict) -> dict:
-    """Add ``params["draft_head"] = {"weight": int8 [V, H], "scale": float32 [V]}``, quantised from the LM head
-    (``lm_head [H, V]``, or the tied embedding ``[V, H]``). In place; returns ``params``."""
+def add_draft_head(params: dict, *, ids=None, int8: bool = True) -> dict:
+    """Add ``params["draft_head"]``, the head the MTP drafts score with, made from the LM head (``lm_head [H, V]``, or
+    the tied embedding ``[V, H]``): ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``int8``) or ``{"weight":
+    [N, H]}`` in the head's dtype. ``ids`` (int32 [N], :mod:`jaxmtp.draft_vocab`) keeps only those vocabulary rows,
+    padded with repeats to whole tiles and stored as ``"ids"`` to map the drafts back; else N = V. In place."""
     untied = "lm_head" in params
-    q, scale = quantize_rows(params["lm_head" if untied else "embed_tokens"], transposed=untied)
-    params["draft_head"] = {"weight": q, "scale": scale}
+    src = params["lm_head" if untied else "embed_tokens"]
+    if ids is not None:
+        ids = padded_ids(np.asarray(ids, np.int32))
+        src = src[:, ids].T if untied else src[ids]
+        untied = False
+    if int8:
+        q, scale = quantize_rows(src, transposed=untied)
+        head = {"weight": q, "scale": scale}
+    else:
+        head = {"weight": src}
+    if ids is not None:
+        head["ids"] = _xp(head["weight"]).asarray(ids)
+    params["draft_head"] = head
     return params
 
 
-def serving_layout(params: dict, *, draft_head: bool = True) -> dict:
-    """:func:`fuse_projections`, then (``draft_head`` and an MTP head present) :func:`add_draft_head`. In place."""
+def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None) -> dict:
+    """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (int8) or a
+    ``draft_vocab`` (checked token ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place."""
     fuse_projections(params)
-    if draft_head and "mtp" in params:
-        add_draft_head(params)
+    if "mtp" in params and (draft_head or draft_vocab is not None):
+        add_draft_head(params, ids=draft_vocab, int8=draft_head)
     return params
 
 

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
                    help="draft with the bf16 LM head instead of its int8 copy (outputs are the same either way; the "
                         "int8 copy halves what each draft reads and costs vocab x hidden bytes)")
+    g.add_argument("--draft-vocab", default=None, metavar="FILE",
+                   help="draft only among these token ids (.json list, .npy or whitespace-separated text; build one "
+                        "with scripts/build_draft_vocab.py): each draft reads N rows of the head instead of the whole "
+                        "vocabulary; outputs are the same, acceptance can drop (docs/performance.md)")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")
@@ -96,10 +100,12 @@ def load_model(args):
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
+        if args.draft_vocab is not None:
+            raise ValueError("--draft-vocab takes a checkpoint's token ids; it does not apply to --random-model")
         return random_model(args.random_model, dtype=dtype, backend=args.backend,
                             int8_draft_head=args.int8_draft_head)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
-                       int8_draft_head=args.int8_draft_head)
+                       int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab)
 
 
 async def serve(args) -> int:

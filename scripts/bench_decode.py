@@ -82,20 +82,29 @@ def hbm_bandwidth() -> float:
 LAYOUTS = ("serving", "fused", "native")
 
 
-def random_model(cfg, dtype, backend, layout: str = "serving") -> Model:
+def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None) -> Model:
     """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the int8 draft
-    head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout)."""
+    head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout). ``draft_vocab``: a hot
+    draft vocabulary of that many ids (the first ones; which ids does not matter for step costs)."""
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
     if layout != "native":
-        params = serving_layout(params, draft_head=layout == "serving")
+        ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
+        params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids)
     jax.block_until_ready(params)
     return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg, dtype))
 
 
-def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, int8_draft_head: bool = False) -> dict:
+def draft_head_bytes(params) -> int | None:
+    """Bytes of the serving layout's draft head (int8 and / or a hot vocabulary), None without one (the LM head)."""
+    if "draft_head" not in params:
+        return None
+    return sum(int(a.size) * a.dtype.itemsize for name, a in params["draft_head"].items() if name != "ids")
+
+
+def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head_bytes: int | None = None) -> dict:
     """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes. With
-    k > 0 the k drafts each read the draft head (int8 with ``int8_draft_head``) and k - 1 of them the MTP layer
-    again, besides the verify's own reads."""
+    k > 0 the k drafts each read the draft head (``head_bytes``, :func:`draft_head_bytes`; None: the LM head) and
+    k - 1 of them the MTP layer again, besides the verify's own reads."""
     shapes_ = param_shapes(cfg, jnp.bfloat16)
     leaves = jax.tree_util.tree_leaves_with_path(shapes_)
     t = batch * (k + 1)
@@ -113,7 +122,7 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, int8
             nbytes = 0
         weights += nbytes
     if k > 0:  # each draft reads the draft head; recursive draft steps read the MTP layer again
-        head = cfg.vocab_size * (cfg.hidden_size + 4 if int8_draft_head else cfg.hidden_size * dtype_bytes)
+        head = head_bytes if head_bytes is not None else cfg.vocab_size * cfg.hidden_size * dtype_bytes
         mtp = sum(int(np.prod(s.shape)) * s.dtype.itemsize for p, s in leaves if "'mtp'" in jax.tree_util.keystr(p))
         weights += k * head + (k - 1) * mtp
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
@@ -180,7 +189,7 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
     plan = memory_plan(cfg, batch, context, k, model.dtype)
-    need = step_bytes(cfg, batch, k, context + room // 2, int8_draft_head="draft_head" in model.params)
+    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params))
     del eng
     return {
         "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,
@@ -306,6 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (see random_model)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
     ap.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test of the script)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument("--out", default="bench_decode.json")
@@ -318,6 +328,7 @@ def main(argv=None) -> int:
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "layout": args.layout,
+              "draft_vocab": args.draft_vocab,
               "models": {}}
     bw = hbm_bandwidth()
     result["hbm_bytes_per_s"] = bw
@@ -350,7 +361,7 @@ def main(argv=None) -> int:
                                shared_expert_intermediate_size=32)
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
-        model = random_model(cfg, dtype, args.backend, args.layout)
+        model = random_model(cfg, dtype, args.backend, args.layout, args.draft_vocab)
         if args.override:
             fields = dict(kv.split("=") for kv in args.override.split(","))
             model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))

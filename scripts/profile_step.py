@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import LAYOUTS, fill_synthetic, random_model, step_bytes  # noqa: E402
+from bench_decode import LAYOUTS, draft_head_bytes, fill_synthetic, random_model, step_bytes  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--override", default="", help="backend fields to set, e.g. matmul=triton,moe=xla")
     ap.add_argument("--matmul-max-rows", type=int, default=None, help="jaxmtp.pallas.matmul.KERNEL_MAX_ROWS")
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (bench_decode.random_model)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
     ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="profile_step.json")
     ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         import jaxmtp.pallas.matmul as matmul_mod
 
         matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
-    model = random_model(cfg, jnp.bfloat16, args.backend, args.layout)
+    model = random_model(cfg, jnp.bfloat16, args.backend, args.layout, args.draft_vocab)
     if args.override:
         fields = dict(kv.split("=") for kv in args.override.split(","))
         model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
             r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top,
                         args.hlo_dir)
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
-                                           int8_draft_head="draft_head" in model.params)["total"]
+                                           head_bytes=draft_head_bytes(model.params))["total"]
             result["runs"].append(r)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

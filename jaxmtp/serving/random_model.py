@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
+from jaxmtp.draft_vocab import read_draft_vocab
 from jaxmtp.loading import Model
 from jaxmtp.model import init_params
 from jaxmtp.pallas import resolve_backend
@@ -39,12 +41,16 @@ def random_config(name: str) -> Qwen35Config:
                         eos_token_ids=(), **kw)
 
 
-def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True) -> Model:
+def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True,
+                 draft_vocab: int | None = None) -> Model:
     """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
-    serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`)."""
+    serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`). ``draft_vocab``: a hot draft
+    vocabulary of that many ids (the first ones: with random weights, which ids are hot does not matter; for step
+    costs)."""
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
-    params = serving_layout(params, draft_head=int8_draft_head)
+    ids = None if draft_vocab is None else read_draft_vocab(np.arange(draft_vocab), cfg.vocab_size)
+    params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids)
     return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
                  backend=resolve_backend(backend, cfg, dtype))
