@@ -238,9 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE",
+                    help="draft only among these token ids (jaxmtp.draft_vocab; same output, cheaper drafts)")
     args = ap.parse_args(argv)
     try:
-        model = load(args.model, dtype=args.dtype)
+        model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab)
         t0 = time.perf_counter()
         sys.stdout.write(args.prompt)
         final = None

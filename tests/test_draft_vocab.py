@@ -170,3 +170,19 @@ def test_server_refuses_a_bad_draft_vocabulary_file(tmp_path, caplog):
         assert serve.main(["--draft-vocab", str(bad), "--port", "0"]) == 2
     assert "repeats" in caplog.text
     assert serve.main(["--draft-vocab", str(bad), "--random-model", "tiny", "--port", "0"]) == 2
+
+
+def test_cli_generates_plain_greedys_text_with_a_draft_vocabulary(tmp_path, capsys, rng):
+    from jaxmtp.generation import main
+
+    ids = rng.choice(4096, size=1500, replace=False)  # the default model's vocabulary is 4096
+    path = tmp_path / "hot.npy"
+    np.save(path, ids)
+    prompt = "import os\n\ndef walk(top):"
+    assert main([prompt, "--max-new-tokens", "12", "-k", "0"]) == 0
+    plain = capsys.readouterr().out
+    assert main([prompt, "--max-new-tokens", "12", "-k", "3", "--draft-vocab", str(path)]) == 0
+    assert capsys.readouterr().out == plain
+    (tmp_path / "bad.json").write_text("[5000]")
+    assert main([prompt, "--draft-vocab", str(tmp_path / "bad.json")]) == 1
+    assert "outside" in capsys.readouterr().err
