@@ -16,6 +16,7 @@ from jaxmtp import checkpoint
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
 from jaxmtp.model import draft_vocab_logits, forward, init_carry, init_mtp_carry, mtp_forward
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.param_layout import serving_layout
 from jaxmtp.pallas import Backend, resolve_backend
 
@@ -155,7 +156,7 @@ def _chat_template(path: str) -> str | None:
 
 
 def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
-         progress: bool = True, int8_draft_head: bool = True, draft_vocab=None) -> Model:
+         progress: bool = True, int8_draft_head: bool = True, draft_vocab=None, draft_head_bits: int = 8) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
@@ -164,6 +165,9 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     copy of the LM head for the drafts (outputs unchanged; costs V x H bytes of memory). ``draft_vocab`` (token ids,
     or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
     N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).
+    ``draft_head_bits=4`` quantises the draft head to int4 instead (a quarter of the bf16 bytes; outputs unchanged,
+    drafts a little further from the exact head's; its GPU kernel does not stream at full bandwidth yet, see
+    docs/performance.md, run 7).
     """
     if path is None:
         from jaxmtp.default_model import default_model_path
@@ -175,9 +179,15 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
+    if draft_head_bits not in (4, 8):
+        raise ConfigError(f"draft_head_bits must be 4 or 8, not {draft_head_bits!r}")
     ids = None
-    if draft_vocab is not None:  # checked before any weight is read
+    if draft_vocab is not None or draft_head_bits == 4:  # checked before any weight is read
         cfg0 = Qwen35Config.from_pretrained(path)
+        if draft_head_bits == 4 and cfg0.hidden_size % INT4_BLOCK:
+            raise ConfigError(f"an int4 draft head needs hidden_size to be a multiple of {INT4_BLOCK}, not "
+                              f"{cfg0.hidden_size}")
+    if draft_vocab is not None:
         if not cfg0.has_mtp:
             raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
         ids = read_draft_vocab(draft_vocab, cfg0.vocab_size)
@@ -187,7 +197,8 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
         params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
     if ids is not None and not cfg.has_mtp:  # the config can name MTP layers that the checkpoint lacks
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
-    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids))
+    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids,
+                                           draft_head_bits=draft_head_bits))
     return Model(
         config=cfg,
         params=params,

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
 
@@ -83,11 +84,36 @@ def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HE
     return xp.concatenate(qs, axis=0), xp.concatenate(scales, axis=0)
 
 
-def add_draft_head(params: dict, *, ids=None, int8: bool = True) -> dict:
+def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
+    """Symmetric int4 per row, packed: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (uint8 [N, K/2], scale
+    float32 [N]) with ``w ~= q * scale[:, None]``, q in -7..7 stored as :func:`unpack_int4` reads it. K must be a
+    multiple of :data:`INT4_BLOCK`."""
+    xp = _xp(w)
+    k = w.shape[0] if transposed else w.shape[1]
+    if k % INT4_BLOCK:
+        raise ValueError(f"int4 packing needs K to be a multiple of {INT4_BLOCK}, got {k}")
+    n = w.shape[1] if transposed else w.shape[0]
+    packs, scales = [], []
+    for start in range(0, n, rows_per_chunk):
+        blk = w[:, start : start + rows_per_chunk].T if transposed else w[start : start + rows_per_chunk]
+        blk = xp.asarray(blk, dtype=xp.float32)
+        amax = xp.max(xp.abs(blk), axis=1)
+        scale = xp.where(amax > 0, amax / 7.0, 1.0).astype(xp.float32)
+        q = (xp.clip(xp.round(blk / scale[:, None]), -7, 7) + 8).astype(xp.uint8)
+        q = q.reshape(q.shape[0], k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+        packs.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2).astype(xp.uint8))
+        scales.append(scale)
+    return xp.concatenate(packs, axis=0), xp.concatenate(scales, axis=0)
+
+
+def add_draft_head(params: dict, *, ids=None, int8: bool = True, bits: int = 8) -> dict:
     """Add ``params["draft_head"]``, the head the MTP drafts score with, made from the LM head (``lm_head [H, V]``, or
-    the tied embedding ``[V, H]``): ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``int8``) or ``{"weight":
-    [N, H]}`` in the head's dtype. ``ids`` (int32 [N], :mod:`jaxmtp.draft_vocab`) keeps only those vocabulary rows,
-    padded with repeats to whole tiles and stored as ``"ids"`` to map the drafts back; else N = V. In place."""
+    the tied embedding ``[V, H]``): with ``int8``, ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``bits=8``) or
+    ``{"weight": uint8 [N, H/2] (int4 pairs), "scale": ...}`` (``bits=4``); else ``{"weight": [N, H]}`` in the
+    head's dtype. ``ids`` (int32 [N], :mod:`jaxmtp.draft_vocab`) keeps only those vocabulary rows, padded with repeats
+    to whole tiles and stored as ``"ids"`` to map the drafts back; else N = V. In place."""
+    if bits not in (4, 8):
+        raise ValueError(f"draft head bits must be 4 or 8, not {bits}")
     untied = "lm_head" in params
     src = params["lm_head" if untied else "embed_tokens"]
     if ids is not None:
@@ -95,7 +121,7 @@ def add_draft_head(params: dict, *, ids=None, int8: bool = True) -> dict:
         src = src[:, ids].T if untied else src[ids]
         untied = False
     if int8:
-        q, scale = quantize_rows(src, transposed=untied)
+        q, scale = (quantize_rows if bits == 8 else quantize_rows_int4)(src, transposed=untied)
         head = {"weight": q, "scale": scale}
     else:
         head = {"weight": src}
@@ -105,12 +131,13 @@ def add_draft_head(params: dict, *, ids=None, int8: bool = True) -> dict:
     return params
 
 
-def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None) -> dict:
-    """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (int8) or a
-    ``draft_vocab`` (checked token ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place."""
+def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None, draft_head_bits: int = 8) -> dict:
+    """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to
+    ``draft_head_bits``) or a ``draft_vocab`` (checked token ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks
+    for one. In place."""
     fuse_projections(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
-        add_draft_head(params, ids=draft_vocab, int8=draft_head)
+        add_draft_head(params, ids=draft_vocab, int8=draft_head, bits=draft_head_bits)
     return params
 
 

@@ -82,14 +82,16 @@ def hbm_bandwidth() -> float:
 LAYOUTS = ("serving", "fused", "native")
 
 
-def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None) -> Model:
+def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None,
+                 draft_head_bits: int = 8) -> Model:
     """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the int8 draft
     head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout). ``draft_vocab``: a hot
     draft vocabulary of that many ids (the first ones; which ids does not matter for step costs)."""
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
-        params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids)
+        params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
+                                draft_head_bits=draft_head_bits)
     jax.block_until_ready(params)
     return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg, dtype))
 
@@ -316,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (see random_model)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
+    ap.add_argument("--draft-head-bits", type=int, default=8, choices=[8, 4], help="draft head quantisation")
     ap.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test of the script)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument("--out", default="bench_decode.json")
@@ -328,7 +331,7 @@ def main(argv=None) -> int:
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "layout": args.layout,
-              "draft_vocab": args.draft_vocab,
+              "draft_vocab": args.draft_vocab, "draft_head_bits": args.draft_head_bits,
               "models": {}}
     bw = hbm_bandwidth()
     result["hbm_bytes_per_s"] = bw
@@ -361,7 +364,7 @@ def main(argv=None) -> int:
                                shared_expert_intermediate_size=32)
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
-        model = random_model(cfg, dtype, args.backend, args.layout, args.draft_vocab)
+        model = random_model(cfg, dtype, args.backend, args.layout, args.draft_vocab, args.draft_head_bits)
         if args.override:
             fields = dict(kv.split("=") for kv in args.override.split(","))
             model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))

@@ -186,3 +186,21 @@ def test_cli_generates_plain_greedys_text_with_a_draft_vocabulary(tmp_path, caps
     (tmp_path / "bad.json").write_text("[5000]")
     assert main([prompt, "--draft-vocab", str(tmp_path / "bad.json")]) == 1
     assert "outside" in capsys.readouterr().err
+
+
+def test_int4_draft_head_with_a_hot_vocabulary_keeps_plain_greedy_output(rng, checkpoint_factory):
+    """Both draft-cost cuts at once (int4 rows of a hot set): still plain greedy's tokens; bad settings refused."""
+    model = jaxmtp.load(None, dtype="float32", progress=False)
+    ids = rng.choice(model.config.vocab_size, size=2000, replace=False)
+    cheap = jaxmtp.load(None, dtype="float32", progress=False, draft_vocab=ids, draft_head_bits=4)
+    dh = cheap.params["draft_head"]
+    assert dh["weight"].dtype == jnp.uint8 and dh["weight"].shape == (2048, model.config.hidden_size // 2)
+    prompt = "class Queue:\n    def __init__(self):"
+    plain = jaxmtp.generate(model, prompt, max_new_tokens=40, num_draft_tokens=0, ignore_eos=True)
+    spec = jaxmtp.generate(cheap, prompt, max_new_tokens=40, num_draft_tokens=3, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(ConfigError, match="4 or 8"):
+        jaxmtp.load(None, draft_head_bits=16)
+    small, _ = checkpoint_factory("dense")  # hidden size 64: not a whole int4 block
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        jaxmtp.load(small, draft_head_bits=4)

@@ -14,7 +14,9 @@ from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
 from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import quantized_linear
-from jaxmtp.param_layout import add_draft_head, fuse_projections, native_layout, quantize_rows, serving_layout
+from jaxmtp.pallas.matmul.reference import unpack_int4
+from jaxmtp.param_layout import (add_draft_head, fuse_projections, native_layout, quantize_rows, quantize_rows_int4,
+                                 serving_layout)
 
 
 def _config(moe: bool) -> Qwen35Config:
@@ -130,3 +132,48 @@ def test_native_layout_undoes_the_serving_layout(moe):
     assert exported.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(np.asarray(exported[name]), np.asarray(want[name]))
+
+
+def test_int4_packing_matches_a_float64_quantiser(rng):
+    w = rng.standard_normal((70, 384)).astype(np.float32) * rng.uniform(0.1, 3.0, (70, 1)).astype(np.float32)
+    packed, scale = quantize_rows_int4(w)
+    assert packed.dtype == np.uint8 and packed.shape == (70, 192) and scale.shape == (70,)
+    w64 = w.astype(np.float64)
+    s64 = np.abs(w64).max(1) / 7
+    q = np.asarray(unpack_int4(jnp.asarray(packed)), np.float64)
+    np.testing.assert_array_equal(q, np.clip(np.round(w64 / s64[:, None]), -7, 7))
+    np.testing.assert_allclose(scale, s64, rtol=1e-6)
+    assert np.all(np.abs(q * scale[:, None] - w64) <= scale[:, None] / 2 * (1 + 1e-5))
+    # the transposed source ([K, N], an untied lm_head) and jax inputs give the same bytes
+    np.testing.assert_array_equal(quantize_rows_int4(w.T.copy(), transposed=True)[0], packed)
+    np.testing.assert_array_equal(np.asarray(quantize_rows_int4(jnp.asarray(w))[0]), packed)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_rows_int4(w[:, :320])
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 96), (3, 640, 512), (5, 1024, 48)])
+def test_int4_product_kernel_matches_float64(rng, m, k, n):
+    packed, scale = quantize_rows_int4(rng.standard_normal((n, k)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    deq = np.asarray(unpack_int4(jnp.asarray(packed)), np.float64) * scale[:, None].astype(np.float64)
+    want = np.asarray(x, np.float64) @ deq.T
+    for impl in ("xla", "triton_interpret"):
+        got = quantized_linear(x, jnp.asarray(packed), jnp.asarray(scale), implementation=impl)
+        assert got.dtype == jnp.float32 and got.shape == (m, n)
+        err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+        assert err < 1e-6, (impl, err)
+
+
+def test_int4_draft_head_stays_within_its_error_bound(rng):
+    cfg = _config(False).replace(hidden_size=128)  # int4 packs K in blocks of 128
+    native = init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1)
+    params = serving_layout(native, draft_head_bits=4)
+    dh = params["draft_head"]
+    assert dh["weight"].dtype == jnp.uint8 and dh["weight"].shape == (cfg.vocab_size, cfg.hidden_size // 2)
+    h = jnp.asarray(rng.standard_normal((400, cfg.hidden_size)), jnp.float32)
+    exact = np.asarray(draft_head({k: v for k, v in params.items() if k != "draft_head"}, h), np.float64)
+    got = np.asarray(draft_head(params, h, Backend(draft_head="triton_interpret")), np.float64)
+    bound = np.abs(np.asarray(h, np.float64)).sum(1)[:, None] * np.asarray(dh["scale"])[None] / 2
+    assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
+    with pytest.raises(ValueError, match="4 or 8"):
+        add_draft_head({"embed_tokens": native["lm_head"].T}, bits=2)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul.reference import matmul_reference, quantized_matmul_reference
+from jaxmtp.pallas.matmul.reference import matmul_reference, quantized4_matmul_reference, quantized_matmul_reference
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
@@ -33,17 +35,19 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 
 
 def quantized_linear(x, q, scale, *, implementation: str = "xla"):
-    """``(x @ q^T) * scale`` as float32 [..., N]: x [..., K]; q [N, K] int8 with per-row ``scale [N]`` (the draft
-    head, :mod:`jaxmtp.param_layout`). ``"triton"`` streams the int8 weight for up to ``MAX_ROWS`` rows (the
-    slots of a draft step); more rows, or other names, run the reference."""
+    """``(x @ q^T) * scale`` as float32 [..., N]: x [..., K]; q [N, K] int8, or int4 packed as uint8 [N, K/2]
+    (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`), with per-row ``scale [N]`` (the draft head,
+    :mod:`jaxmtp.param_layout`). ``"triton"`` streams the quantised weight for up to ``MAX_ROWS`` rows (the slots of a
+    draft step); more rows, or other names, run the reference."""
     n = q.shape[0]
+    int4 = q.dtype == jnp.uint8
     rows = math.prod(x.shape[:-1])
-    if implementation in (TRITON, TRITON_INTERPRET) and supports(rows, x.shape[-1], n):
+    if implementation in (TRITON, TRITON_INTERPRET) and supports(rows, x.shape[-1], n, int4=int4):
         y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32",
                                  interpret=implementation == TRITON_INTERPRET)
         return y * scale
-    return quantized_matmul_reference(x, q, scale)
+    return (quantized4_matmul_reference if int4 else quantized_matmul_reference)(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized_linear", "quantized_matmul_reference",
-           "skinny_matmul_triton", "supports"]
+__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized4_matmul_reference", "quantized_linear",
+           "quantized_matmul_reference", "skinny_matmul_triton", "supports"]

@@ -6,7 +6,10 @@ pipelines the loads, ``num_stages`` deep) and multiplies the ``[Mp, BK]`` row ti
 (rows padded to Mp >= 16, the smallest dot). With fewer column slabs than about two waves of programs the K axis is
 split and a jnp sum combines the float32 partials. ``transpose_w`` reads W stored ``[N, K]`` (a tied LM head, the
 embedding) as ``[BN, BK]`` tiles. An int8 W (the draft head, :func:`jaxmtp.pallas.matmul.quantized_linear`) is read
-as int8 and widened in registers, so the kernel streams half the bytes of a bfloat16 W. XLA's own choices at these
+as int8 and widened in registers, so the kernel streams half the bytes of a bfloat16 W; an int4 W (uint8 ``[N, K/2]``
+as :func:`jaxmtp.pallas.matmul.reference.unpack_int4` lays it out, ``transpose_w`` only, BK = 128) a quarter: each
+step reads a block's 64 bytes per row and multiplies its low and high nibbles with the block's two 64-wide halves of
+the rows. XLA's own choices at these
 shapes measured 25-65% of HBM bandwidth on an H200 (docs/performance.md, "Decode step profile").
 """
 
@@ -22,14 +25,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import mm, next_pow2, work_dtype
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 NUM_SMS = 132  # H100 / H200; sets how far the K axis is split
 MAX_ROWS = 64
 
 
-def supports(m: int, k: int, n: int) -> bool:
-    """Shapes the kernel takes: at most 64 rows, K a multiple of 64, N a multiple of 16."""
-    return 0 < m <= MAX_ROWS and k % 64 == 0 and n % 16 == 0
+def supports(m: int, k: int, n: int, int4: bool = False) -> bool:
+    """Shapes the kernel takes: at most 64 rows, K a multiple of 64 (of 128 for int4 weights), N a multiple of 16."""
+    return 0 < m <= MAX_ROWS and k % (INT4_BLOCK if int4 else 64) == 0 and n % 16 == 0
 
 
 def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
@@ -46,19 +50,25 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
 
 
 def _operand_dtype(x_dtype, w_dtype):
-    """In-kernel operand dtype: int8 weights are widened to the activations' dtype (exact for bfloat16: |q| <= 127
-    fits its 8-bit significand), other weights keep theirs (:func:`work_dtype`)."""
-    if jnp.dtype(w_dtype) == jnp.int8:
+    """In-kernel operand dtype: int8 / packed int4 weights are widened to the activations' dtype (exact for bfloat16:
+    |q| <= 127 fits its 8-bit significand), other weights keep theirs (:func:`work_dtype`)."""
+    if jnp.dtype(w_dtype) in (jnp.int8, jnp.uint8):
         return work_dtype(x_dtype)
     return work_dtype(w_dtype)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, dtype, interpret):
+def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, int4, dtype, interpret):
     k0 = pl.program_id(1) * k_per_split
     mp, bn = x_ref.shape[0], o_ref.shape[-1]
 
     def body(i, acc):
         off = pl.multiple_of(k0 + i * bk, bk)
+        if int4:  # bk = 128: 64 bytes per row hold the block's two halves (low nibble: first half)
+            half = bk // 2
+            b = w_ref[:, pl.ds(pl.multiple_of(off // 2, half), half)].astype(jnp.int32)
+            lo, hi = (b & 15) - 8, (b >> 4) - 8
+            acc = acc + mm(x_ref[:, pl.ds(off, half)], lo, tb=True, dtype=dtype, interpret=interpret)
+            return acc + mm(x_ref[:, pl.ds(off + half, half)], hi, tb=True, dtype=dtype, interpret=interpret)
         xb = x_ref[:, pl.ds(off, bk)]
         if transpose_w:
             return acc + mm(xb, w_ref[:, pl.ds(off, bk)], tb=True, dtype=dtype, interpret=interpret)
@@ -77,17 +87,20 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
     lead, kdim = x.shape[:-1], x.shape[-1]
     n = w.shape[0] if transpose_w else w.shape[1]
     m = math.prod(lead)
-    if not supports(m, kdim, n):
-        raise ValueError(f"unsupported skinny matmul shape: [{m}, {kdim}] x [{kdim}, {n}]")
+    int4 = w.dtype == jnp.uint8
+    if not supports(m, kdim, n, int4=int4) or (int4 and (not transpose_w or w.shape[1] * 2 != kdim)):
+        raise ValueError(f"unsupported skinny matmul: [{m}, {kdim}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}")
     mp, bn0, bk0, s0 = plan(m, kdim, n)
     bn, bk = block_n or bn0, block_k or bk0
+    if int4 and bk != INT4_BLOCK:
+        raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
     ns = splits or (s0 if block_n is None and block_k is None else 1)
     if n % bn or kdim % (bk * ns):
         raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
     x2 = x.reshape(m, kdim)
     if mp != m:
         x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
-    w_spec = (pl.BlockSpec((bn, kdim), lambda j, s: (j, 0)) if transpose_w
+    w_spec = (pl.BlockSpec((bn, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
               else pl.BlockSpec((kdim, bn), lambda j, s: (0, j)))
     if ns == 1:
         out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
@@ -96,7 +109,7 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
         out_shape = jax.ShapeDtypeStruct((ns, mp, n), jnp.float32)
         out_spec = pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j))
     y = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w,
+        functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
                           dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret)),
         out_shape=out_shape,
         grid=(n // bn, ns),
