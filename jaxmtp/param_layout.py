@@ -68,9 +68,9 @@ def fuse_projections(params: dict) -> dict:
     return params
 
 
-def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
-    """Symmetric int8 per row: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (q int8 [N, K], scale float32
-    [N]) with ``w ~= q * scale[:, None]``."""
+def _quantize_rows(w, qmax: int, transposed: bool, rows_per_chunk: int, pack=None):
+    """Symmetric per-row quantisation to -qmax..qmax in slabs of rows (bounds the float32 temporaries):
+    ``(pack(q) for each slab, concatenated; scale float32 [N])``."""
     xp = _xp(w)
     n = w.shape[1] if transposed else w.shape[0]
     qs, scales = [], []
@@ -78,10 +78,17 @@ def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HE
         blk = w[:, start : start + rows_per_chunk].T if transposed else w[start : start + rows_per_chunk]
         blk = xp.asarray(blk, dtype=xp.float32)
         amax = xp.max(xp.abs(blk), axis=1)
-        scale = xp.where(amax > 0, amax / 127.0, 1.0).astype(xp.float32)
-        qs.append(xp.clip(xp.round(blk / scale[:, None]), -127, 127).astype(xp.int8))
+        scale = xp.where(amax > 0, amax / qmax, 1.0).astype(xp.float32)
+        q = xp.clip(xp.round(blk / scale[:, None]), -qmax, qmax)
+        qs.append(pack(q) if pack else q.astype(xp.int8))
         scales.append(scale)
     return xp.concatenate(qs, axis=0), xp.concatenate(scales, axis=0)
+
+
+def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
+    """Symmetric int8 per row: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (q int8 [N, K], scale float32
+    [N]) with ``w ~= q * scale[:, None]``."""
+    return _quantize_rows(w, 127, transposed, rows_per_chunk)
 
 
 def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
@@ -92,18 +99,12 @@ def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRA
     k = w.shape[0] if transposed else w.shape[1]
     if k % INT4_BLOCK:
         raise ValueError(f"int4 packing needs K to be a multiple of {INT4_BLOCK}, got {k}")
-    n = w.shape[1] if transposed else w.shape[0]
-    packs, scales = [], []
-    for start in range(0, n, rows_per_chunk):
-        blk = w[:, start : start + rows_per_chunk].T if transposed else w[start : start + rows_per_chunk]
-        blk = xp.asarray(blk, dtype=xp.float32)
-        amax = xp.max(xp.abs(blk), axis=1)
-        scale = xp.where(amax > 0, amax / 7.0, 1.0).astype(xp.float32)
-        q = (xp.clip(xp.round(blk / scale[:, None]), -7, 7) + 8).astype(xp.uint8)
-        q = q.reshape(q.shape[0], k // INT4_BLOCK, 2, INT4_BLOCK // 2)
-        packs.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], k // 2).astype(xp.uint8))
-        scales.append(scale)
-    return xp.concatenate(packs, axis=0), xp.concatenate(scales, axis=0)
+
+    def pack(q):  # block b, byte j: column 128 b + j (low nibble) and 128 b + 64 + j (high), as q + 8
+        u = (q + 8).astype(xp.uint8).reshape(q.shape[0], k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+        return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).astype(xp.uint8)
+
+    return _quantize_rows(w, 7, transposed, rows_per_chunk, pack)
 
 
 def add_draft_head(params: dict, *, ids=None, int8: bool = True, bits: int = 8) -> dict:
