@@ -9,8 +9,8 @@ embedding) as ``[BN, BK]`` tiles. An int8 W (the draft head, :func:`jaxmtp.palla
 as int8 and widened in registers, so the kernel streams half the bytes of a bfloat16 W; an int4 W (uint8 ``[N, K/2]``
 as :func:`jaxmtp.pallas.matmul.reference.unpack_int4` lays it out, ``transpose_w`` only, BK = 128) a quarter: each
 step reads a block's 64 bytes per row and multiplies its low and high nibbles with the block's two 64-wide halves of
-the rows. XLA's own choices at these
-shapes measured 25-65% of HBM bandwidth on an H200 (docs/performance.md, "Decode step profile").
+the rows. XLA's own choices at these shapes measured 25-65% of HBM bandwidth on an H200 (docs/performance.md,
+"Decode step profile").
 """
 
 from __future__ import annotations
