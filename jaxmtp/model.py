@@ -214,6 +214,18 @@ def draft_tokens(params: Params, logits: jax.Array) -> jax.Array:
     return dh["ids"][idx] if dh is not None and "ids" in dh else idx
 
 
+def describe_draft_head(params: Params, vocab_size: int) -> str:
+    """One line on what the drafts score with, e.g. ``"int8 copy of the LM head, 32768 hot ids of 248320"``."""
+    dh = params.get("draft_head")
+    if dh is None:
+        return "the LM head itself" if "mtp" in params else "none (no MTP head)"
+    w = dh["weight"]
+    kind = {"int8": "int8", "uint8": "int4"}.get(str(w.dtype), str(w.dtype))
+    rows = f"{int(np.unique(np.asarray(dh['ids'])).size)} hot ids of {vocab_size}" if "ids" in dh else \
+        f"all {vocab_size} ids"
+    return f"{kind} copy of the LM head, {rows}"
+
+
 def draft_vocab_logits(params: Params, logits: jax.Array, vocab_size: int) -> jax.Array:
     """Draft logits [..., N] spread over the whole vocabulary [..., V]: ids outside the hot vocabulary get the float32
     minimum (identity without one). For scoring; the engine maps the argmax instead (:func:`draft_tokens`)."""

@@ -124,6 +124,10 @@ async def serve(args) -> int:
     log.info("engine: %d slots x %d tokens of context, k=%d draft tokens, prefill chunk %d, %d steps per sync, "
              "slot buckets %s, backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk, e.steps_per_sync,
              e.slot_buckets, info.backend)
+    if e.k:
+        from jaxmtp.model import describe_draft_head
+
+        log.info("drafts: %s", describe_draft_head(model.params, model.config.vocab_size))
     log.info("limits: queue %d, prompt %d tokens, max_tokens <= %d (default %d), messages <= %d bytes, request "
              "time %s, drain grace %.1f s", config.max_queue, server.max_prompt_tokens, server.max_new_tokens_limit,
              server.default_max_tokens, config.max_message_bytes,

@@ -12,7 +12,7 @@ import pytest
 import jaxmtp
 from jaxmtp.config import FULL, LINEAR, ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import ROW_MULTIPLE, count_tokens, coverage, most_frequent, read_draft_vocab
-from jaxmtp.model import draft_head, draft_tokens, draft_vocab_logits, init_params
+from jaxmtp.model import describe_draft_head, draft_head, draft_tokens, draft_vocab_logits, init_params
 from jaxmtp.pallas import Backend
 from jaxmtp.param_layout import serving_layout
 
@@ -195,6 +195,8 @@ def test_int4_draft_head_with_a_hot_vocabulary_keeps_plain_greedy_output(rng, ch
     cheap = jaxmtp.load(None, dtype="float32", progress=False, draft_vocab=ids, draft_head_bits=4)
     dh = cheap.params["draft_head"]
     assert dh["weight"].dtype == jnp.uint8 and dh["weight"].shape == (2048, model.config.hidden_size // 2)
+    assert describe_draft_head(cheap.params, 4096) == "int4 copy of the LM head, 2000 hot ids of 4096"
+    assert describe_draft_head(model.params, 4096) == "int8 copy of the LM head, all 4096 ids"
     prompt = "class Queue:\n    def __init__(self):"
     plain = jaxmtp.generate(model, prompt, max_new_tokens=40, num_draft_tokens=0, ignore_eos=True)
     spec = jaxmtp.generate(cheap, prompt, max_new_tokens=40, num_draft_tokens=3, ignore_eos=True)
