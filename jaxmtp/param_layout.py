@@ -107,21 +107,21 @@ def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRA
     return _quantize_rows(w, 7, transposed, rows_per_chunk, pack)
 
 
-def add_draft_head(params: dict, *, ids=None, int8: bool = True, bits: int = 8) -> dict:
+def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
     """Add ``params["draft_head"]``, the head the MTP drafts score with, made from the LM head (``lm_head [H, V]``, or
-    the tied embedding ``[V, H]``): with ``int8``, ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``bits=8``) or
-    ``{"weight": uint8 [N, H/2] (int4 pairs), "scale": ...}`` (``bits=4``); else ``{"weight": [N, H]}`` in the
-    head's dtype. ``ids`` (int32 [N], :mod:`jaxmtp.draft_vocab`) keeps only those vocabulary rows, padded with repeats
-    to whole tiles and stored as ``"ids"`` to map the drafts back; else N = V. In place."""
-    if bits not in (4, 8):
-        raise ValueError(f"draft head bits must be 4 or 8, not {bits}")
+    the tied embedding ``[V, H]``): ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``bits=8``), ``{"weight":
+    uint8 [N, H/2] (int4 pairs), "scale": ...}`` (``bits=4``) or ``{"weight": [N, H]}`` in the head's dtype
+    (``bits=None``). ``ids`` (int32 [N], :mod:`jaxmtp.draft_vocab`) keeps only those vocabulary rows, padded with
+    repeats to whole tiles and stored as ``"ids"`` to map the drafts back; else N = V. In place."""
+    if bits not in (4, 8, None):
+        raise ValueError(f"draft head bits must be 4 or 8 (or None: not quantised), not {bits}")
     untied = "lm_head" in params
     src = params["lm_head" if untied else "embed_tokens"]
     if ids is not None:
         ids = padded_ids(np.asarray(ids, np.int32))
         src = src[:, ids].T if untied else src[ids]
         untied = False
-    if int8:
+    if bits is not None:
         q, scale = (quantize_rows if bits == 8 else quantize_rows_int4)(src, transposed=untied)
         head = {"weight": q, "scale": scale}
     else:
@@ -138,7 +138,7 @@ def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None, d
     for one. In place."""
     fuse_projections(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
-        add_draft_head(params, ids=draft_vocab, int8=draft_head, bits=draft_head_bits)
+        add_draft_head(params, ids=draft_vocab, bits=draft_head_bits if draft_head else None)
     return params
 
 
