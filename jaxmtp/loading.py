@@ -42,12 +42,7 @@ class Model:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids from config.json and generation_config.json."""
-        ids = list(self.config.eos_token_ids)
-        eos = self.generation_config.get("eos_token_id")
-        for e in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
-            if int(e) not in ids:
-                ids.append(int(e))
-        return tuple(ids)
+        return eos_token_ids(self.config, self.generation_config)
 
     def check_token_ids(self, ids) -> np.ndarray:
         """Validate token ids (integers in [0, vocab_size)) and return them as int32."""
@@ -126,6 +121,16 @@ class Model:
         c = self.config
         return (f"Model({c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
                 f"mtp_layers={c.mtp_num_hidden_layers}, dtype={jnp.dtype(self.dtype).name}, path={self.path!r})")
+
+
+def eos_token_ids(cfg: Qwen35Config, generation_config: dict) -> tuple[int, ...]:
+    """EOS ids of config.json (``cfg``) followed by those only generation_config.json names."""
+    ids = list(cfg.eos_token_ids)
+    eos = generation_config.get("eos_token_id")
+    for e in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
+        if int(e) not in ids:
+            ids.append(int(e))
+    return tuple(ids)
 
 
 def _load_tokenizer(path: str):

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jaxmtp.config import Qwen35Config  # noqa: E402
 from jaxmtp.draft_vocab import count_tokens, coverage, most_frequent  # noqa: E402
-from jaxmtp.loading import _load_tokenizer, _read_json  # noqa: E402
+from jaxmtp.loading import _load_tokenizer, _read_json, eos_token_ids  # noqa: E402
 
 
 def iter_files(paths):
@@ -51,15 +51,6 @@ def iter_texts(paths, jsonl_key: str | None, skipped: list):
                     yield f.read()
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError) as e:
             skipped.append(f"{path} ({type(e).__name__})")
-
-
-def eos_ids(model_dir: str, cfg: Qwen35Config) -> list[int]:
-    ids = list(cfg.eos_token_ids)
-    eos = _read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id")
-    for e in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
-        if int(e) not in ids:
-            ids.append(int(e))
-    return ids
 
 
 def main(argv=None) -> int:
@@ -93,7 +84,7 @@ def main(argv=None) -> int:
     total = sum(counts.values())
     if not total:
         raise SystemExit("no tokens counted: the inputs are empty")
-    ids = most_frequent(counts, args.size, always=eos_ids(args.model, cfg))
+    ids = most_frequent(counts, args.size, always=eos_token_ids(cfg, _read_json(os.path.join(args.model, "generation_config.json"))))
     out = {"ids": ids.tolist(), "size": int(ids.size), "vocab_size": cfg.vocab_size, "texts": n_texts,
            "skipped_files": len(skipped),
            "tokens_counted": total, "distinct_tokens_seen": len(counts), "coverage": coverage(counts, ids)}
