@@ -87,6 +87,12 @@ def _lse(x):
     return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def acceptance_length(results) -> float:
+    """Tokens per verify step over ``jaxmtp.generate`` results: (accepted drafts + steps) / steps."""
+    steps = sum(r.stats["steps"] for r in results)
+    return (sum(r.stats["accepted"] for r in results) + steps) / steps
+
+
 def pick_prompts(files, n: int, context_lines: int = 14):
     """Deterministic prompts: in evenly spaced held-out files, the lines up to and including a ``def`` line in the
     file's middle third (the continuation is the function body the model never saw)."""

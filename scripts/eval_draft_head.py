@@ -69,8 +69,7 @@ def main(argv=None) -> int:
     for name, m in {"exact": exact_model, **heads}.items():
         rs = jaxmtp.generate(m, prompts, max_new_tokens=args.new_tokens, num_draft_tokens=3, ignore_eos=True,
                              num_slots=len(prompts))
-        steps = sum(r.stats["steps"] for r in rs)
-        acceptance[name] = (sum(r.stats["accepted"] for r in rs) + steps) / steps
+        acceptance[name] = eval_default_model.acceptance_length(rs)
     out = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].platform, "jax": jax.__version__,
            "command": " ".join(sys.argv), "positions": n, "exact_equals_target": exact_hits / n,
            **{f"{h}_equals_exact": same[h] / n for h in heads}, **{f"{h}_equals_target": hits[h] / n for h in heads},

@@ -80,13 +80,12 @@ def main(argv=None) -> int:
         toks = [r.token_ids for r in results]
         if reference is None and size is None:
             reference = toks
-        steps = sum(r.stats["steps"] for r in results)
-        accepted = sum(r.stats["accepted"] for r in results)
         row = {"size": size or model.config.vocab_size, "share_of_vocab": (size or model.config.vocab_size)
                / model.config.vocab_size,
                "train_coverage": 1.0 if ids is None else coverage(train_counts, ids),
                "heldout_coverage": 1.0 if ids is None else coverage(held_counts, ids),
-               "draft_hits": hits, "acceptance_length": (accepted + steps) / steps, "_tokens": toks}
+               "draft_hits": hits, "acceptance_length": eval_default_model.acceptance_length(results),
+               "_tokens": toks}
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "_tokens"},
               flush=True)
