@@ -34,7 +34,7 @@ from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
 from jaxmtp.model import init_params, param_shapes
 from jaxmtp.param_layout import serving_layout
-from jaxmtp.pallas import resolve_backend
+from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.sampling import SamplingParams
 
 # Mean acceptance lengths (tokens per verify step) published for Qwen3.5's MTP head: k = 1, 2, 3 (issue 6); k = 4
@@ -366,8 +366,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model = random_model(cfg, dtype, args.backend, args.layout, args.draft_vocab, args.draft_head_bits)
         if args.override:
-            fields = dict(kv.split("=") for kv in args.override.split(","))
-            model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
+            model = dataclasses.replace(model, backend=override_backend(model.backend, args.override))
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend), "prefill": [], "steps": [],

@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from bench_decode import LAYOUTS, draft_head_bytes, fill_synthetic, random_model, step_bytes  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
+from jaxmtp.pallas import override_backend  # noqa: E402
 
 
 def _union(intervals) -> float:
@@ -188,8 +189,7 @@ def main(argv=None) -> int:
         matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
     model = random_model(cfg, jnp.bfloat16, args.backend, args.layout, args.draft_vocab)
     if args.override:
-        fields = dict(kv.split("=") for kv in args.override.split(","))
-        model = dataclasses.replace(model, backend=dataclasses.replace(model.backend, **fields))
+        model = dataclasses.replace(model, backend=override_backend(model.backend, args.override))
     dev = jax.devices()[0]
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model,

@@ -28,9 +28,27 @@ class Backend:
     draft_head: str = "xla"  # the int8 draft head's product (jaxmtp.pallas.matmul.quantized_linear)
     norm: str = "xla"  # residual add + the next RMSNorm between blocks (jaxmtp.pallas.norms.add_rms_norm)
     gdn_mixer: str = "xla"  # conv + gates + rule of a decode/verify step in one kernel (serving layout only)
+    # K slices of the products that feed a residual add (attention o_proj, GDN out_proj, dense down_proj) in decode
+    # and verify steps: 0 = off; S > 1 leaves S float32 partial sums for the add + norm to reduce (with norm="triton"
+    # one kernel instead of XLA's split-K reduction, add, and the norm's two)
+    split_k: int = 0
 
 
 XLA = Backend()
+
+
+def override_backend(backend: Backend, spec: str) -> Backend:
+    """``backend`` with fields set from ``"name=value,..."`` (benchmark flags), e.g. ``"norm=triton,split_k=8"``."""
+    if not spec:
+        return backend
+    types = {f.name: f.type for f in dataclasses.fields(Backend)}
+    fields = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"bad backend override {item!r}: use name=value with name one of {sorted(types)}")
+        fields[name] = int(value) if types[name] in (int, "int") else value
+    return dataclasses.replace(backend, **fields)
 
 
 def resolve_backend(backend: "str | Backend" = "auto", cfg=None, dtype=None) -> Backend:
@@ -81,4 +99,4 @@ def _auto_backend(platform: str, cfg=None, dtype=None) -> Backend:
 
 
 __all__ = ["KERNELS", "MOSAIC_TPU", "MOSAIC_TPU_INTERPRET", "TRITON", "TRITON_INTERPRET", "XLA", "Backend",
-           "resolve_backend"]
+           "override_backend", "resolve_backend"]
