@@ -169,23 +169,21 @@ def init_mtp_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat
 def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *, h=None,
                   gdn_form="chunk", step_states=False, backend: Backend = XLA):
     """Pre-norm residual block ``r = x + mixer(norm(x)); out = r + mlp(norm(r))``, returning ``(r, mlp, new layer
-    carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`); with
-    ``backend.split_k`` the mixer's and the dense MLP's output products may arrive as float32 partial sums, which
-    those fused adds reduce. ``h``: ``norm(x)``
+    carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
     when the caller already has it (the previous block's fused add and norm)."""
     if h is None:
         h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
-                                   implementation=backend.attention, matmul=backend.matmul, out_splits=backend.split_k)
+                                   implementation=backend.attention, matmul=backend.matmul)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions >= 0, carry, form=gdn_form,
                                   step_states=step_states, implementation=impl, matmul=backend.matmul,
-                                  mixer=backend.gdn_mixer, out_splits=backend.split_k)
+                                  mixer=backend.gdn_mixer)
     x, h = add_rms_norm(x, y, lp["post_attention_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul) if moe
-           else dense_mlp(lp["mlp"], h, backend.matmul, out_splits=backend.split_k))
+           else dense_mlp(lp["mlp"], h, backend.matmul))
     return x, mlp, carry
 
 

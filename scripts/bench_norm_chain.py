@@ -1,7 +1,6 @@
 #!/usr/bin/env python
 """Residual add + RMSNorm alone (GPU): per-norm time of a jitted chain of 32, XLA's reference against the Triton
-kernel at 1, 2, 4 and 8 warps, for a few (rows, H); then the same with the product arriving as S float32 partial
-sums (``Backend.split_k``; S = 4, 8). JSON to argv[1].
+kernel at 1, 2, 4 and 8 warps, for a few (rows, H). JSON to argv[1].
 
     python scripts/bench_norm_chain.py out.json
     # docs/results/h100_norm_ab_run7.json, "micro_chain_of_32_norms_us_per_norm"
@@ -19,7 +18,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmtp.pallas.matmul import PartialSums  # noqa: E402
 from jaxmtp.pallas.norms import add_rms_norm_reference, add_rms_norm_triton  # noqa: E402
 
 CHAIN = 32
@@ -63,27 +61,8 @@ def main(out_path: str) -> int:
             row[f"triton_w{nw}_us"] = best_time(chain(fn), x, y, w) / CHAIN * 1e6
         print(row, flush=True)
         rows_out.append(row)
-    partial_out = []
-    for (rows, h), splits in [(s, n) for s in SHAPES for n in (4, 8)]:
-        ks = jax.random.split(jax.random.key(1), 3)
-        x = jax.random.normal(ks[0], (rows, h), jnp.bfloat16)
-        parts = PartialSums(jax.random.normal(ks[1], (splits, max(rows, 2), h), jnp.float32), (rows, h))
-        w = 0.1 * jax.random.normal(ks[2], (h,), jnp.float32)
-        row = {"rows": rows, "H": h, "splits": splits}
-
-        def pchain(fn):  # the residual stream carries the dependency from norm to norm
-            return jax.jit(lambda x, p, w: [x := fn(x, p, w)[0] for _ in range(CHAIN)][-1])
-
-        row["xla_us"] = best_time(pchain(lambda x, p, w: add_rms_norm_reference(x, p, w, 1e-6)), x, parts, w) \
-            / CHAIN * 1e6
-        for nw in (2, 4, 8, 16):
-            fn = lambda x, p, w, nw=nw: add_rms_norm_triton(x, p, w, 1e-6, num_warps=nw)  # noqa: E731
-            row[f"triton_w{nw}_us"] = best_time(pchain(fn), x, parts, w) / CHAIN * 1e6
-        print(row, flush=True)
-        partial_out.append(row)
     with open(out_path, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows_out,
-                   "partial_sums": partial_out}, f, indent=1)
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows_out}, f, indent=1)
     return 0
 
 

@@ -16,7 +16,7 @@ from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.projections import project
 from jaxmtp.layers.rope import apply_rope
 from jaxmtp.pallas.attention import cached_attention
-from jaxmtp.pallas.matmul import linear, residual_linear
+from jaxmtp.pallas.matmul import linear
 
 
 @struct.dataclass
@@ -43,10 +43,9 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -
 
 
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", out_splits: int = 0):
+                    matmul="xla"):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
-    ``implementation`` names the attention kernel, ``matmul`` the projections'; with ``out_splits`` the output
-    projection may return float32 partial sums [S, B, T, H] (:func:`jaxmtp.pallas.matmul.residual_linear`)."""
+    ``implementation`` names the attention kernel, ``matmul`` the projections'."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -60,4 +59,4 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     cache = write_kv(cache, k, v, positions)
     o = cached_attention(q, cache.k, cache.v, positions, implementation=implementation)
     o = o.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return residual_linear(o, p["o_proj"], splits=out_splits, implementation=matmul), cache
+    return mm(o, p["o_proj"]), cache

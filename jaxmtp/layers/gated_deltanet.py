@@ -20,7 +20,7 @@ from flax import struct
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
 from jaxmtp.layers.projections import project, split_fused
-from jaxmtp.pallas.matmul import linear, residual_linear
+from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -90,7 +90,6 @@ def gated_deltanet(
     implementation: str = "xla",
     matmul: str = "xla",
     mixer: str = "xla",
-    out_splits: int = 0,
 ):
     """One GDN mixer over a window.
 
@@ -98,16 +97,14 @@ def gated_deltanet(
     ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
     ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
     recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused).
-    ``out_splits``: the output projection may return float32 partial sums [S, B, T, H] instead of y
-    (:func:`jaxmtp.pallas.matmul.residual_linear`). Returns (y [B, T, H], GDNCarry | GDNSteps).
+    Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    out_mm = lambda a, w: residual_linear(a, w, splits=out_splits, implementation=matmul)  # noqa: E731
     if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
-        return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm, out_mm)
+        return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
     mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
     z = z.reshape(b, t, hv, dv)
@@ -135,14 +132,14 @@ def gated_deltanet(
         raise ValueError(f"unknown GDN form {form!r}")
 
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    y = out_mm(y, p["out_proj"])
+    y = mm(y, p["out_proj"])
     if step_states:
         return y, GDNSteps(conv_inputs, states)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
 
 
-def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: bool, implementation: str, mm, out_mm):
+def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: bool, implementation: str, mm):
     """The recurrent path with conv, gates and rule in one kernel after the fused input projection
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
     b, t, _ = x.shape
@@ -151,8 +148,8 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: b
     o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
                        output_step_states=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
-    y = out_mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
-               p["out_proj"])
+    y = mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
+           p["out_proj"])
     if step_states:
         conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
         return y, GDNSteps(conv_inputs, out)

@@ -13,17 +13,15 @@ import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.projections import project
-from jaxmtp.pallas.matmul import linear, residual_linear
+from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.moe import moe_experts
 
 
-def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_splits: int = 0) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation. With
-    ``out_splits`` the down projection may return float32 partial sums [S, ..., H] instead
-    (:func:`jaxmtp.pallas.matmul.residual_linear`)."""
+def dense_mlp(p, x: jax.Array, matmul: str = "xla") -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     gate, up = project(p, x, "gate_up_proj", mm)
-    return residual_linear(jax.nn.silu(gate) * up, p["down_proj"], splits=out_splits, implementation=matmul)
+    return mm(jax.nn.silu(gate) * up, p["down_proj"])
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):

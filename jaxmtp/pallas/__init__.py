@@ -28,10 +28,6 @@ class Backend:
     draft_head: str = "xla"  # the int8 draft head's product (jaxmtp.pallas.matmul.quantized_linear)
     norm: str = "xla"  # residual add + the next RMSNorm between blocks (jaxmtp.pallas.norms.add_rms_norm)
     gdn_mixer: str = "xla"  # conv + gates + rule of a decode/verify step in one kernel (serving layout only)
-    # K slices of the products that feed a residual add (attention o_proj, GDN out_proj, dense down_proj) in decode
-    # and verify steps: 0 = off; S > 1 leaves S float32 partial sums for the add + norm to reduce (with norm="triton"
-    # one kernel instead of XLA's split-K reduction, add, and the norm's two)
-    split_k: int = 0
 
 
 XLA = Backend()

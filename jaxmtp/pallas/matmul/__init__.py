@@ -13,13 +13,7 @@ import math
 import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul.reference import (
-    PartialSums,
-    matmul_partials_reference,
-    matmul_reference,
-    quantized4_matmul_reference,
-    quantized_matmul_reference,
-)
+from jaxmtp.pallas.matmul.reference import matmul_reference, quantized4_matmul_reference, quantized_matmul_reference
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
@@ -27,9 +21,6 @@ MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) sta
 # kernel fixes XLA's slow single-row products (batch-1 decode 7.8 -> 1.8 ms), but with 8-32 rows it was 5-10% slower
 # than XLA's gemms.
 KERNEL_MAX_ROWS = 1
-# Products split into K slices only for at most this many rows (decode and verify steps): with more rows a product
-# is no longer a pure weight stream, and the partial sums would cost more bytes than the reduction kernel they save.
-SPLIT_MAX_ROWS = 64
 
 
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
@@ -41,17 +32,6 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
             return skinny_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=out_dtype,
                                         interpret=implementation == TRITON_INTERPRET)
     return matmul_reference(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
-
-
-def residual_linear(x, w, *, splits: int = 0, implementation: str = "xla"):
-    """The product that feeds a residual add: ``linear(x, w)``, or with ``splits`` > 1 (and at most
-    ``SPLIT_MAX_ROWS`` rows, K divisible by it) the float32 :class:`PartialSums` of
-    :func:`matmul_partials_reference`, which :func:`jaxmtp.pallas.norms.add_rms_norm` reduces together with the add
-    and the next norm (``Backend.split_k``)."""
-    rows = math.prod(x.shape[:-1])
-    if splits > 1 and rows <= SPLIT_MAX_ROWS and w.shape[0] % splits == 0:
-        return matmul_partials_reference(x, w, splits)
-    return linear(x, w, implementation=implementation)
 
 
 def quantized_linear(x, q, scale, *, implementation: str = "xla"):
@@ -69,5 +49,5 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return (quantized4_matmul_reference if int4 else quantized_matmul_reference)(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "PartialSums", "linear", "matmul_partials_reference", "matmul_reference", "quantized4_matmul_reference",
-           "quantized_linear", "quantized_matmul_reference", "residual_linear", "skinny_matmul_triton", "supports"]
+__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized4_matmul_reference", "quantized_linear",
+           "quantized_matmul_reference", "skinny_matmul_triton", "supports"]

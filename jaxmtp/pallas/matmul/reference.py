@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from jaxmtp.precision import einsum_f32
 
@@ -22,38 +19,6 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, o
     if out_dtype == x.dtype:
         return jnp.einsum(eq, x, w)
     return einsum_f32(eq, x, w).astype(out_dtype)
-
-
-@struct.dataclass
-class PartialSums:
-    """A product ``[..., N]`` left as float32 partial sums over K slices: ``parts [S, R', N]``, where the first R =
-    prod(``shape[:-1]``) of the R' >= R rows are the product's rows (flattened) and any others padding."""
-
-    parts: jax.Array
-    shape: tuple = struct.field(pytree_node=False)
-
-    def sum(self, dtype) -> jax.Array:
-        """The product [..., N]: the partials summed in float32, rounded to ``dtype`` once."""
-        rows = math.prod(self.shape[:-1])
-        return jnp.sum(self.parts[:, :rows], axis=0).astype(dtype).reshape(self.shape)
-
-
-def matmul_partials_reference(x: jax.Array, w: jax.Array, splits: int) -> PartialSums:
-    """``x @ w`` (x [..., K]; w [K, N]) left as ``splits`` float32 partial sums over consecutive slices of K: a
-    batched product over the slices (``w`` reshaped, no copy), so that the sum can be fused into whatever consumes it
-    (:func:`jaxmtp.pallas.norms.add_rms_norm`) instead of being a kernel of its own. A single row is padded to two:
-    XLA:GPU rewrites a batched one-row product into a transpose of the whole weight and a reduction (7.4 ms instead
-    of 4.3 for the 4B decode step, H100)."""
-    k, n = w.shape
-    if k % splits:
-        raise ValueError(f"K={k} does not split into {splits} equal slices")
-    rows = math.prod(x.shape[:-1])
-    xs = x.reshape(rows, splits, k // splits)
-    if rows == 1:
-        xs = jnp.pad(xs, ((0, 1), (0, 0), (0, 0)))
-    dims = (((2,), (1,)), ((1,), (0,)))  # contract the slice, batch over the slices
-    parts = jax.lax.dot_general(xs, w.reshape(splits, k // splits, n), dims, preferred_element_type=jnp.float32)
-    return PartialSums(parts, x.shape[:-1] + (n,))
 
 
 def quantized_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -10,20 +10,15 @@ hidden sizes), else the reference. Other names (TPU) run the reference, which XL
 from __future__ import annotations
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, supports, supports_partials
-from jaxmtp.pallas.matmul.reference import PartialSums
+from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, supports
 from jaxmtp.pallas.norms.reference import add_rms_norm_reference
 
 
 def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
-    """x, y: [..., H] (one dtype), or y the :class:`PartialSums` of the product that feeds the add
-    (:func:`jaxmtp.pallas.matmul.residual_linear`); weight: [H] float32 offset. Returns ``(s, h)`` [..., H] in
-    x.dtype."""
-    partial = isinstance(y, PartialSums)
-    if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]) and (
-            not partial or supports_partials(y.parts.shape[0])):
+    """x, y: [..., H] (one dtype); weight: [H] float32 offset. Returns ``(s, h)`` [..., H] in x.dtype."""
+    if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
         return add_rms_norm_triton(x, y, weight, eps, interpret=implementation == TRITON_INTERPRET)
     return add_rms_norm_reference(x, y, weight, eps)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "supports", "supports_partials"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "supports"]

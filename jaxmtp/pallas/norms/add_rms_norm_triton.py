@@ -19,8 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas.matmul.reference import PartialSums
-
 MAX_CHUNK = 4096
 MIN_CHUNK = 16
 MAX_CHUNKS = 16
@@ -31,30 +29,19 @@ def chunk_size(h: int) -> int:
     return min(h & -h, MAX_CHUNK)
 
 
-MAX_PARTIALS = 32
-
-
-def supports_partials(splits: int) -> bool:
-    """Partial-sum counts the kernel reduces: a power of two (a Triton tile dimension), at most ``MAX_PARTIALS``."""
-    return 1 <= splits <= MAX_PARTIALS and splits & (splits - 1) == 0
-
-
 def supports(h: int) -> bool:
     """Row lengths the kernel takes: ``H = n * C`` with ``C >= 16`` and at most 16 chunks (all Qwen3.5 sizes)."""
     return h > 0 and chunk_size(h) >= MIN_CHUNK and h // chunk_size(h) <= MAX_CHUNKS
 
 
-def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps, partial):
+def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps):
     # Every load is issued before the first store: Triton keeps memory operations in program order where it cannot
     # prove the pointers distinct, so interleaving "load chunk j, store chunk j" costs one memory round trip per
     # chunk (5 at H = 2560: the kernel took ~5 us in the 4B decode step, docs/kernels.md).
     n = x_ref.shape[-1]
     sls = [pl.ds(j * chunk, chunk) for j in range(n // chunk)]
     xs = [x_ref[sl] for sl in sls]
-    if partial:  # y_ref [S, H]: float32 partial sums of the product, reduced and rounded like the reference
-        ys = [jnp.sum(y_ref[:, sl].astype(jnp.float32), axis=0).astype(s_ref.dtype) for sl in sls]
-    else:
-        ys = [y_ref[sl] for sl in sls]
+    ys = [y_ref[sl] for sl in sls]
     ws = [w_ref[sl] for sl in sls]
     ss = [(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype) for x, y in zip(xs, ys)]
     sq = jnp.zeros((chunk,), jnp.float32)
@@ -69,33 +56,22 @@ def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps, partial):
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
-    """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts; ``y`` [..., H] or
-    :class:`PartialSums` with S a power of two (:func:`supports_partials`)."""
+    """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts."""
     lead, hdim = x.shape[:-1], x.shape[-1]
     if not supports(hdim):
         raise ValueError(f"unsupported row length H={hdim}: needs H = n * C, C a power of two >= 16, n <= 16")
-    partial = isinstance(y, PartialSums)
-    if partial:
-        if y.shape != x.shape or not supports_partials(y.parts.shape[0]) or weight.shape != (hdim,):
-            raise ValueError(f"partial sums of {y.shape} ({y.parts.shape[0]} slices) do not match x {x.shape} (S "
-                             f"must be a power of two <= {MAX_PARTIALS}) or weight {weight.shape}")
-    elif y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,):
+    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,):
         raise ValueError(f"shapes x {x.shape} {x.dtype}, y {y.shape} {y.dtype}, weight {weight.shape} do not match")
     rows = math.prod(lead)
     row = pl.BlockSpec((None, hdim), lambda r: (r, 0))
-    if partial:  # rows of parts beyond the product's (padding) are never read
-        y_in = y.parts
-        y_spec = pl.BlockSpec((y_in.shape[0], None, hdim), lambda r: (0, r, 0))
-    else:
-        y_in, y_spec = y.reshape(rows, hdim), row
     s, h = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps), partial=partial),
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
         out_shape=[jax.ShapeDtypeStruct((rows, hdim), x.dtype)] * 2,
         grid=(rows,),
-        in_specs=[row, y_spec, pl.BlockSpec((hdim,), lambda r: (0,))],
+        in_specs=[row, row, pl.BlockSpec((hdim,), lambda r: (0,))],
         out_specs=[row, row],
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
         interpret=interpret,
         name="add_rms_norm",
-    )(x.reshape(rows, hdim), y_in, weight)
+    )(x.reshape(rows, hdim), y.reshape(rows, hdim), weight)
     return s.reshape(x.shape), h.reshape(x.shape)

@@ -5,15 +5,11 @@ from __future__ import annotations
 import jax
 
 from jaxmtp.layers.norms import rms_norm
-from jaxmtp.pallas.matmul.reference import PartialSums
 
 
 def add_rms_norm_reference(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """x, y: [..., H] (one dtype); weight: [H] (float32 offset, scale ``1 + w``). Returns ``(s, h)``, both
     [..., H] in x.dtype: ``s = x + y`` added in x.dtype (the new residual stream) and ``h = rms_norm(s, weight, eps)``
-    (float32 inside). ``y`` may also be the product's :class:`~jaxmtp.pallas.matmul.PartialSums`
-    (:func:`jaxmtp.pallas.matmul.residual_linear`): summed, rounded to x.dtype, then added."""
-    if isinstance(y, PartialSums):
-        y = y.sum(x.dtype)
+    (float32 inside)."""
     s = x + y
     return s, rms_norm(s, weight, eps)
