@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
                    help="draft with the bf16 LM head instead of its int8 copy (outputs are the same either way; the "
                         "int8 copy halves what each draft reads and costs vocab x hidden bytes)")
+    g.add_argument("--draft-head-bits", type=int, default=8, choices=[8, 4],
+                   help="quantisation of the drafts' copy of the LM head: 4 halves its bytes again (outputs are the "
+                        "same; drafts a little further from the exact head's; not faster end to end on an H100 yet, "
+                        "docs/performance.md run 8)")
     g.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="draft only among these token ids (.json list, .npy or whitespace-separated text; build one "
                         "with scripts/build_draft_vocab.py): each draft reads N rows of the head instead of the whole "
@@ -97,15 +101,18 @@ def load_model(args):
     import jaxmtp
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if args.draft_head_bits != 8 and not args.int8_draft_head:
+        raise ValueError("--draft-head-bits quantises the drafts' head; --exact-draft-head asks for none")
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
         if args.draft_vocab is not None:
             raise ValueError("--draft-vocab takes a checkpoint's token ids; it does not apply to --random-model")
         return random_model(args.random_model, dtype=dtype, backend=args.backend,
-                            int8_draft_head=args.int8_draft_head)
+                            int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
-                       int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab)
+                       int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
+                       draft_head_bits=args.draft_head_bits)
 
 
 async def serve(args) -> int:

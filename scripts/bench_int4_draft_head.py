@@ -3,6 +3,7 @@
 4B-sized head read (1 row, K 2560, N 248320) with the int8 and with the int4 kernel, timed. JSON to argv[1].
 
     python scripts/bench_int4_draft_head.py out.json   # docs/results/h100_int4_draft_head_run7.json, "check"
+    python scripts/bench_int4_draft_head.py out.json --sweep   # also every tiling of the kernel (run 8)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np  # noqa: E402
 
 from bench_norm_chain import best_time  # noqa: E402
 from jaxmtp.pallas.matmul import quantized_linear  # noqa: E402
+from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
 from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
 
 
@@ -43,9 +45,32 @@ def main(out_path: str) -> int:
         out[f"{name}_head_us"] = t * 1e6
         out[f"{name}_TBps"] = q.size * q.dtype.itemsize / t / 1e12
         print(name, out[f"{name}_head_us"], out[f"{name}_TBps"], flush=True)
+    if "--sweep" in sys.argv:
+        out["sweep"] = sweep(x, w)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
     return 0
+
+
+def sweep(x, w):
+    """The head read with each kernel tiling: column slab BN, warps, pipeline stages (K step 128, no K split)."""
+    rows = []
+    for name, (q, s) in [("int8", quantize_rows(w)), ("int4", quantize_rows_int4(w))]:
+        for bn in (32, 64, 128, 256):
+            for nw in (4, 8):
+                for st in (3, 4, 6):
+                    kw = dict(transpose_w=True, out_dtype="float32", block_n=bn, block_k=128, splits=1,
+                              num_warps=nw, num_stages=st)
+                    f = jax.jit(lambda x, q, kw=kw: skinny_matmul_triton(x, q, **kw))
+                    row = {"w": name, "bn": bn, "warps": nw, "stages": st}
+                    try:
+                        t = best_time(f, x, q, reps=100)
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                        rows.append({**row, "error": str(e)[:200]})
+                        continue
+                    rows.append({**row, "us": t * 1e6, "TBps": q.size * q.dtype.itemsize / t / 1e12})
+                    print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -172,6 +172,18 @@ def test_server_refuses_a_bad_draft_vocabulary_file(tmp_path, caplog):
     assert serve.main(["--draft-vocab", str(bad), "--random-model", "tiny", "--port", "0"]) == 2
 
 
+def test_server_loads_the_draft_head_it_is_asked_for():
+    from jaxmtp import serve
+    from jaxmtp.model import describe_draft_head
+
+    for argv, kind, dtype in [([], "int8", np.int8), (["--draft-head-bits", "4"], "int4", np.uint8)]:
+        model = serve.load_model(serve.build_parser().parse_args(argv))  # the default model
+        assert describe_draft_head(model.params, model.config.vocab_size).startswith(kind)
+        assert model.params["draft_head"]["weight"].dtype == dtype  # int4: two values per byte
+    assert serve.main(["--draft-head-bits", "4", "--exact-draft-head", "--port", "0"]) == 2  # contradictory
+    assert serve.main(["--draft-head-bits", "4", "--random-model", "tiny", "--port", "0"]) == 2  # hidden 64 < 128
+
+
 def test_cli_generates_plain_greedys_text_with_a_draft_vocabulary(tmp_path, capsys, rng):
     from jaxmtp.generation import main
 
