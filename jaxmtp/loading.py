@@ -171,8 +171,8 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
     N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).
     ``draft_head_bits=4`` quantises the draft head to int4 instead (a quarter of the bf16 bytes; outputs unchanged,
-    drafts a little further from the exact head's; its GPU kernel does not stream at full bandwidth yet, see
-    docs/performance.md, run 7).
+    drafts a little further from the exact head's; on an H100 not faster end to end than int8, see docs/performance.md,
+    run 8).
     """
     if path is None:
         from jaxmtp.default_model import default_model_path
