@@ -12,7 +12,7 @@ import pytest
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNSteps
 from jaxmtp.model import forward, init_carry, init_params
-from jaxmtp.pallas import XLA, Backend, _auto_backend, resolve_backend
+from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
 
 
 def small_config():
@@ -76,3 +76,8 @@ def test_backend_registry():
     assert _auto_backend("gpu", small, jnp.bfloat16).attention == gpu.attention
     with pytest.raises(ValueError):
         resolve_backend("fast")
+    assert override_backend(gpu, "") == gpu
+    assert override_backend(XLA, "norm=triton,gdn_mixer=triton") == Backend(norm="triton", gdn_mixer="triton")
+    for bad in ("nrom=triton", "norm"):
+        with pytest.raises(ValueError, match="gdn_mixer"):  # the message lists the fields
+            override_backend(XLA, bad)

@@ -34,16 +34,17 @@ XLA = Backend()
 
 
 def override_backend(backend: Backend, spec: str) -> Backend:
-    """``backend`` with fields set from ``"name=value,..."`` (benchmark flags), e.g. ``"norm=triton,split_k=8"``."""
+    """``backend`` with fields set from ``"name=value,..."`` (benchmark flags), e.g. ``"norm=triton,gdn_mixer=xla"``;
+    an unknown field name is a ValueError that lists the fields."""
     if not spec:
         return backend
-    types = {f.name: f.type for f in dataclasses.fields(Backend)}
+    names = {f.name for f in dataclasses.fields(Backend)}
     fields = {}
     for item in spec.split(","):
         name, sep, value = item.partition("=")
-        if not sep or name not in types:
-            raise ValueError(f"bad backend override {item!r}: use name=value with name one of {sorted(types)}")
-        fields[name] = int(value) if types[name] in (int, "int") else value
+        if not sep or name not in names:
+            raise ValueError(f"bad backend override {item!r}: use name=value with name one of {sorted(names)}")
+        fields[name] = value
     return dataclasses.replace(backend, **fields)
 
 
