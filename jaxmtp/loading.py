@@ -17,7 +17,7 @@ from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
 from jaxmtp.model import draft_vocab_logits, forward, init_carry, init_mtp_carry, mtp_forward
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
-from jaxmtp.param_layout import serving_layout
+from jaxmtp.param_layout import check_draft_head_options, serving_layout
 from jaxmtp.pallas import Backend, resolve_backend
 
 
@@ -184,8 +184,7 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
-    if draft_head_bits not in (4, 8):
-        raise ConfigError(f"draft_head_bits must be 4 or 8, not {draft_head_bits!r}")
+    check_draft_head_options(int8_draft_head, draft_head_bits)
     ids = None
     if draft_vocab is not None or draft_head_bits == 4:  # checked before any weight is read
         cfg0 = Qwen35Config.from_pretrained(path)

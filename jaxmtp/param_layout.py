@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp.config import ConfigError
 from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
@@ -132,10 +133,21 @@ def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
     return params
 
 
+def check_draft_head_options(draft_head: bool, draft_head_bits: int) -> None:
+    """Refuse draft-head settings :func:`serving_layout` cannot honour (ConfigError): bits other than 4 or 8, or
+    bits other than the default 8 for a head that is not quantised (``draft_head=False``)."""
+    if draft_head_bits not in (4, 8):
+        raise ConfigError(f"draft_head_bits must be 4 or 8, not {draft_head_bits!r}")
+    if draft_head_bits != 8 and not draft_head:
+        raise ConfigError(f"draft_head_bits={draft_head_bits} asks for a quantised draft head, but the draft head "
+                          "was turned off (int8_draft_head=False / --exact-draft-head)")
+
+
 def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None, draft_head_bits: int = 8) -> dict:
     """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to
     ``draft_head_bits``) or a ``draft_vocab`` (checked token ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks
-    for one. In place."""
+    for one. In place; contradictory draft-head settings are refused first (:func:`check_draft_head_options`)."""
+    check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
         add_draft_head(params, ids=draft_vocab, bits=draft_head_bits if draft_head else None)

@@ -33,7 +33,7 @@ from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
 from jaxmtp.model import init_params, param_shapes
-from jaxmtp.param_layout import serving_layout
+from jaxmtp.param_layout import serving_layout, weight_bytes
 from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.sampling import SamplingParams
 
@@ -100,7 +100,7 @@ def draft_head_bytes(params) -> int | None:
     """Bytes of the serving layout's draft head (int8 and / or a hot vocabulary), None without one (the LM head)."""
     if "draft_head" not in params:
         return None
-    return sum(int(a.size) * a.dtype.itemsize for name, a in params["draft_head"].items() if name != "ids")
+    return weight_bytes({name: a for name, a in params["draft_head"].items() if name != "ids"})
 
 
 def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head_bytes: int | None = None) -> dict:

@@ -215,6 +215,8 @@ def test_int4_draft_head_with_a_hot_vocabulary_keeps_plain_greedy_output(rng, ch
     assert spec.token_ids == plain.token_ids
     with pytest.raises(ConfigError, match="4 or 8"):
         jaxmtp.load(None, draft_head_bits=16)
+    with pytest.raises(ConfigError, match="turned off"):  # an int4 head and no quantised head at all
+        jaxmtp.load(None, int8_draft_head=False, draft_head_bits=4)
     small, _ = checkpoint_factory("dense")  # hidden size 64: not a whole int4 block
     with pytest.raises(ConfigError, match="multiple of 128"):
         jaxmtp.load(small, draft_head_bits=4)
