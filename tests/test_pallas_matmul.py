@@ -1,6 +1,7 @@
-"""Few-row matmul kernel (GPU Triton variant, run by the Pallas interpreter) against a float64 numpy product:
+"""Few-row matmul kernels (GPU Triton variants, run by the Pallas interpreter) against a float64 numpy product:
 row counts that are not powers of two, W stored [K, N] or [N, K], split K, float32 and bf16 operands, float32 output
-from bf16 operands; the dispatcher's fallbacks; and a small model whose projections run through the kernel.
+from bf16 operands; the multiply-add kernel with int8 and packed int4 weights and both ways of widening them; the
+dispatcher's fallbacks; and a small model whose projections run through the kernel.
 
 The interpreter fills output buffers with NaN before the kernel runs, so unwritten elements fail the check.
 """
@@ -15,7 +16,8 @@ import pytest
 import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import linear, matmul_reference, skinny_matmul_triton
+from jaxmtp.pallas.matmul import gemv_matmul_triton, linear, matmul_reference, skinny_matmul_triton
+from jaxmtp.pallas.matmul.reference import unpack_int4
 from jaxmtp.pallas.matmul.skinny_triton import plan
 
 from test_pallas_model import small_config
@@ -47,6 +49,38 @@ def test_kernel_matches_float64(rng, m, k, n, transpose_w, splits, dtype):
                                    splits=splits, interpret=True)
         assert y32.dtype == jnp.float32
         _check(y32, x, w, transpose_w, 1e-5)
+
+
+@pytest.mark.parametrize("m,k,n,transpose_w,splits,bn,bk", [
+    (1, 256, 48, False, 1, 16, 32), (3, 384, 64, True, 3, 8, 128), (4, 512, 40, False, 2, 8, 64),
+    (2, 128, 24, True, 1, 8, 128),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemv_kernel_matches_float64(rng, m, k, n, transpose_w, splits, bn, bk, dtype):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) / np.sqrt(k), dtype)
+    y = gemv_matmul_triton(x, w, transpose_w=transpose_w, block_n=bn, block_k=bk, splits=splits, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _check(y, x, w, transpose_w, 1e-6 if dtype == jnp.float32 else 1e-2)
+    y32 = gemv_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=jnp.float32, interpret=True)  # default plan
+    _check(y32, x, w, transpose_w, 1e-6 if dtype == jnp.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("unpack", ["magic", "convert"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_kernel_widens_int8_and_int4_exactly(rng, m, unpack):
+    k, n = 384, 40
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    q8 = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)  # the full int8 range, -128 included
+    q4 = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)  # any byte: two nibbles, each 0..15 minus 8
+    for q, dense in [(q8, q8), (q4, unpack_int4(q4))]:
+        y = gemv_matmul_triton(x, q, transpose_w=True, block_n=8, unpack=unpack, interpret=True)
+        assert y.dtype == jnp.float32  # quantised weights: the unscaled float32 product
+        _check(y, x, dense, True, 1e-6)
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x, q8.T, interpret=True)  # quantised weights are read transposed only
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(jnp.ones((5, k), jnp.bfloat16), q8, transpose_w=True, interpret=True)  # > 4 rows
 
 
 def test_default_plan_and_leading_axes(rng):

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.matmul.reference import matmul_reference, quantized4_matmul_reference, quantized_matmul_reference
+from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
+from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
@@ -21,6 +23,10 @@ MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) sta
 # kernel fixes XLA's slow single-row products (batch-1 decode 7.8 -> 1.8 ms), but with 8-32 rows it was 5-10% slower
 # than XLA's gemms.
 KERNEL_MAX_ROWS = 1
+# The quantised draft head's one-row product (a batch-1 draft) runs the multiply-add kernel: on an H100 the 4B head
+# took 231 us as int8 against 249 us with the tensor-core kernel, and 208 against 211 us as int4
+# (docs/performance.md, run 9). With more rows each row repeats the multiply-adds: the tensor-core kernel.
+GEMV_MAX_ROWS = 1
 
 
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
@@ -38,16 +44,20 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     """``(x @ q^T) * scale`` as float32 [..., N]: x [..., K]; q [N, K] int8, or int4 packed as uint8 [N, K/2]
     (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`), with per-row ``scale [N]`` (the draft head,
     :mod:`jaxmtp.param_layout`). ``"triton"`` streams the quantised weight for up to ``MAX_ROWS`` rows (the slots of a
-    draft step); more rows, or other names, run the reference."""
+    draft step; one row with :mod:`.gemv_triton`, more with :mod:`.skinny_triton`); more rows, or other names, run
+    the reference."""
     n = q.shape[0]
     int4 = q.dtype == jnp.uint8
     rows = math.prod(x.shape[:-1])
+    interpret = implementation == TRITON_INTERPRET
+    if (implementation in (TRITON, TRITON_INTERPRET) and rows <= GEMV_MAX_ROWS
+            and gemv_supports(rows, x.shape[-1], n, True, q.dtype)):
+        return gemv_matmul_triton(x, q, transpose_w=True, interpret=interpret) * scale
     if implementation in (TRITON, TRITON_INTERPRET) and supports(rows, x.shape[-1], n, int4=int4):
-        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32",
-                                 interpret=implementation == TRITON_INTERPRET)
+        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", interpret=interpret)
         return y * scale
     return (quantized4_matmul_reference if int4 else quantized_matmul_reference)(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "linear", "matmul_reference", "quantized4_matmul_reference", "quantized_linear",
-           "quantized_matmul_reference", "skinny_matmul_triton", "supports"]
+__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "quantized4_matmul_reference",
+           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports"]

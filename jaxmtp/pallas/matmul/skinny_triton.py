@@ -97,28 +97,42 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
     ns = splits or (s0 if block_n is None and block_k is None else 1)
     if n % bn or kdim % (bk * ns):
         raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
+    kernel = functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
+                               dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret))
+    return launch_row_kernel(kernel, x, w, rows=mp, block_n=bn, splits=ns, transpose_w=transpose_w,
+                             out_dtype=out_dtype, num_warps=num_warps or 4, num_stages=num_stages or 4,
+                             interpret=interpret, name="skinny_matmul")
+
+
+def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
+                      interpret, name):
+    """The launch both few-row kernels share: x [..., K] padded to ``rows`` rows, grid ``(N / block_n, splits)``,
+    program j reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output
+    (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
+    lead, kdim = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.reshape(m, kdim)
-    if mp != m:
-        x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
-    w_spec = (pl.BlockSpec((bn, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
-              else pl.BlockSpec((kdim, bn), lambda j, s: (0, j)))
-    if ns == 1:
-        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
-        out_spec = pl.BlockSpec((mp, bn), lambda j, s: (0, j))
+    if rows != m:
+        x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
+    w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
+              else pl.BlockSpec((kdim, block_n), lambda j, s: (0, j)))
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+        out_spec = pl.BlockSpec((rows, block_n), lambda j, s: (0, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((ns, mp, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, mp, bn), lambda j, s: (s, 0, j))
+        out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j))
     y = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
-                          dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret)),
+        kernel,
         out_shape=out_shape,
-        grid=(n // bn, ns),
-        in_specs=[pl.BlockSpec((mp, kdim), lambda j, s: (0, 0)), w_spec],
+        grid=(n // block_n, splits),
+        in_specs=[pl.BlockSpec((rows, kdim), lambda j, s: (0, 0)), w_spec],
         out_specs=out_spec,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 4),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="skinny_matmul",
+        name=name,
     )(x2, w)
-    if ns > 1:
+    if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)

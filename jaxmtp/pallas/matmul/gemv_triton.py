@@ -1,0 +1,120 @@
+"""Products of one to four rows on GPU without tensor cores: Pallas with the Triton lowering, one fused multiply-add
+per weight.
+
+:mod:`.skinny_triton` feeds the weight tile to a tensor-core dot with the rows padded to 16. For a bfloat16 weight
+that streams near the HBM bandwidth, but a quantised weight must first be widened in registers and then moved into
+the dot's operand layout, and for packed int4 that per-weight work, not the bytes, set the time (docs/performance.md,
+run 8: 210-220 us for the 4B head, as long as the int8 read of twice the bytes). Here each program keeps a
+float32 accumulator tile the shape of its weight tile, multiplies the widened weights elementwise by the broadcast
+row and adds, and reduces the tile once at the end: per weight a widening and one multiply-add, no layout change.
+That pays only for a few rows (each row repeats the multiply-adds), hence ``MAX_ROWS``.
+
+Grid ``(N / BN, splits)``. Weight layouts: ``[K, N]`` (``x @ W``; tile ``[BK, BN]``), ``[N, K]`` with
+``transpose_w`` (tile ``[BN, BK]``), int8 ``[N, K]`` and packed int4 ``[N, K/2]`` (uint8, the block-halves layout of
+:func:`jaxmtp.pallas.matmul.reference.unpack_int4`; each step reads one 128-wide block's 64 bytes per row and
+multiplies its low and high nibbles by the block's two halves of the row) with ``transpose_w``. With ``splits > 1``
+each program covers ``K / splits`` and a jnp sum adds the float32 partials. The reference is
+:func:`jaxmtp.pallas.matmul.reference.matmul_reference` (and the quantised references, before their scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxmtp.pallas._common import next_pow2
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.pallas.matmul.skinny_triton import launch_row_kernel
+
+MAX_ROWS = 4
+HALF = INT4_BLOCK // 2
+_MAGIC = 0x4B000000  # float32 bits of 2^23: OR-ing an integer 0 <= i < 2^23 into the mantissa gives 2^23 + i
+
+
+def _widen(i, offset: int, unpack: str):
+    """int32 ``i`` (0 <= i < 256) minus ``offset`` as float32. ``"magic"``: the integer goes into the mantissa of
+    2^23 and one float subtraction removes 2^23 + offset (exact; no integer-to-float conversion, an instruction the
+    GPU issues at 1/8 of the rate of a multiply-add); ``"convert"``: integer subtraction, then conversion."""
+    if unpack == "magic":
+        return lax.bitcast_convert_type(i | _MAGIC, jnp.float32) - float(2**23 + offset)
+    return (i - offset).astype(jnp.float32)
+
+
+def supports(m: int, k: int, n: int, transpose_w: bool, w_dtype) -> bool:
+    """Shapes the kernel takes: 1-4 rows, N a multiple of 8; K a multiple of 128; quantised weights transposed."""
+    quantised = jnp.dtype(w_dtype) in (jnp.int8, jnp.uint8)
+    return 0 < m <= MAX_ROWS and n % 8 == 0 and k % INT4_BLOCK == 0 and (transpose_w or not quantised)
+
+
+def plan(k: int, n: int, transpose_w: bool, w_dtype):
+    """Default ``(BN, BK, splits, num_warps, num_stages)``. Transposed (the draft head): the H100 sweep of
+    scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head);
+    ``[K, N]`` bf16 weights stay with XLA in the engine (its split-K products were faster than this kernel's)."""
+    bn = 16 if n % 16 == 0 else 8
+    if jnp.dtype(w_dtype) == jnp.uint8:
+        return bn, INT4_BLOCK, 1, 4, 4
+    if transpose_w:
+        return bn, 256 if k % 256 == 0 else 128, 1, 4, 4
+    bn = next(b for b in (64, 32, 16, 8) if n % b == 0)
+    return bn, 32, 1, 4, 4
+
+
+def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpack):
+    f32 = jnp.float32
+    k0 = pl.program_id(1) * k_per_split
+    bn = o_ref.shape[-1]
+    if int4:
+        shape = (bn, HALF)
+    else:
+        shape = (bn, bk) if transpose_w else (bk, bn)
+
+    def body(i, accs):
+        off = pl.multiple_of(k0 + i * bk, bk)
+        if int4:
+            b = w_ref[:, pl.ds(pl.multiple_of(off // 2, HALF), HALF)].astype(jnp.int32)
+            lo, hi = _widen(b & 15, 8, unpack), _widen(b >> 4, 8, unpack)
+            return tuple(acc + lo * x_ref[r, pl.ds(off, HALF)].astype(f32)[None, :]
+                         + hi * x_ref[r, pl.ds(off + HALF, HALF)].astype(f32)[None, :] for r, acc in enumerate(accs))
+        if transpose_w:
+            w = w_ref[:, pl.ds(off, bk)]
+            w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
+            return tuple(acc + w * x_ref[r, pl.ds(off, bk)].astype(f32)[None, :] for r, acc in enumerate(accs))
+        w = w_ref[pl.ds(off, bk), :].astype(f32)
+        return tuple(acc + w * x_ref[r, pl.ds(off, bk)].astype(f32)[:, None] for r, acc in enumerate(accs))
+
+    accs = lax.fori_loop(0, k_per_split // bk, body, tuple(jnp.zeros(shape, f32) for _ in range(m)))
+    for r, acc in enumerate(accs):
+        o_ref[r, :] = jnp.sum(acc, axis=1 if transpose_w else 0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
+                                             "num_warps", "num_stages", "unpack", "interpret"))
+def gemv_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
+                       num_warps=None, num_stages=None, unpack="magic", interpret=False):
+    """x [..., K] (1-4 rows in all); w [K, N], or [N, K] / int8 [N, K] / packed int4 uint8 [N, K/2] with
+    ``transpose_w``. Returns ``x @ W`` [..., N] in ``out_dtype`` (default x.dtype; quantised weights give the
+    unscaled float32 product of the integer values)."""
+    lead, kdim = x.shape[:-1], x.shape[-1]
+    m = math.prod(lead)
+    n = w.shape[0] if transpose_w else w.shape[1]
+    int4 = w.dtype == jnp.uint8
+    if not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim):
+        raise ValueError(f"unsupported gemv: [{m}, {kdim}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}")
+    quantised = jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8)
+    out_dtype = jnp.dtype(out_dtype or (jnp.float32 if quantised else x.dtype))
+    bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype)
+    bn, bk, ns = block_n or bn0, block_k or bk0, splits or s0
+    if int4 and bk != INT4_BLOCK:
+        raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
+    if n % bn or kdim % (bk * ns):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
+    kernel = functools.partial(_kernel, m=m, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
+                               unpack=unpack)
+    return launch_row_kernel(kernel, x, w, rows=next_pow2(m), block_n=bn, splits=ns, transpose_w=transpose_w,
+                             out_dtype=out_dtype, num_warps=num_warps or nw0, num_stages=num_stages or st0,
+                             interpret=interpret, name="gemv")

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""One-row products on the GPU: the multiply-add kernel (jaxmtp.pallas.matmul.gemv_triton) against the tensor-core
+few-row kernel (skinny_triton) and XLA, at the 4B shapes. JSON to ``--out``; a short table prints last.
+
+    python scripts/bench_gemv.py --out gemv.json [--sweep head,blocks]
+
+1. Correctness on the GPU: the kernel against float64 at small shapes (bf16 [K, N] and [N, K], int8, int4).
+2. The draft head read (1 row, K 2560, N 248320): int8 and int4 with both kernels, default tiles, then with
+   ``--sweep head`` every tiling of the multiply-add kernel (its default, magic-number unpacking).
+3. The block products of a 4B layer (bf16 [K, N]: GDN in_proj, out_proj, MLP gate|up, down) with XLA and, with
+   ``--sweep blocks``, the multiply-add kernel's tilings. Eight different weights per timed call (more than the
+   50 MB L2 holds), so each product reads its weight from HBM, as in a decode step.
+Times: fastest of 5 means of back-to-back calls (bench_norm_chain.best_time); TB/s = weight bytes / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_norm_chain import best_time  # noqa: E402
+from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton  # noqa: E402
+from jaxmtp.pallas.matmul.reference import unpack_int4  # noqa: E402
+from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
+from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
+
+HEAD = (2560, 248320)
+BLOCKS = {"gdn_in_proj": (2560, 12352), "gdn_out_proj": (4096, 2560), "mlp_gate_up": (2560, 18432),
+          "mlp_down": (9216, 2560)}  # the 4B's [K, N]
+COPIES = 8
+
+
+def check(rng) -> dict:
+    out = {}
+    for m, k, n in [(1, 512, 256), (3, 1024, 512)]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        q8, _ = quantize_rows(w.T.astype(jnp.float32))
+        q4, _ = quantize_rows_int4(w.T.astype(jnp.float32))
+        cases = {"kn": (w, False, want), "nk": (w.T, True, want),
+                 "int8": (q8, True, np.asarray(x, np.float64) @ np.asarray(q8, np.float64).T),
+                 "int4": (q4, True, np.asarray(x, np.float64) @ np.asarray(unpack_int4(q4), np.float64).T)}
+        for name, (wt, tr, ref) in cases.items():
+            got = np.asarray(gemv_matmul_triton(x, wt, transpose_w=tr, out_dtype="float32"), np.float64)
+            out[f"{name}_{m}x{k}x{n}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+    print("check", out, flush=True)
+    return out
+
+
+def time_head(x, w, sweep: bool) -> dict:
+    out = {}
+    quants = {"int8": quantize_rows(w)[0], "int4": quantize_rows_int4(w)[0]}
+    for name, q in quants.items():
+        nbytes = q.size * q.dtype.itemsize
+        gemv = lambda unpack: functools.partial(gemv_matmul_triton, unpack=unpack)  # noqa: E731
+        for kern, fn in [("skinny", skinny_matmul_triton), ("gemv_convert", gemv("convert")),
+                         ("gemv_magic", gemv("magic"))]:
+            f = jax.jit(lambda x, q, fn=fn: fn(x, q, transpose_w=True, out_dtype="float32"))
+            t = best_time(f, x, q, reps=250)
+            out[f"{name}_{kern}_us"], out[f"{name}_{kern}_TBps"] = t * 1e6, nbytes / t / 1e12
+            print(name, kern, round(t * 1e6, 1), "us", round(nbytes / t / 1e12, 2), "TB/s", flush=True)
+    if sweep:
+        rows = []
+        for name, q in quants.items():
+            nbytes = q.size * q.dtype.itemsize
+            grid = ((16, 32, 64, 128), (128,), (2, 4, 8), (2, 3, 4)) if name == "int4" else (
+                (8, 16, 32), (128, 256), (4, 8), (3, 4))
+            for bn in grid[0]:
+                for bk in grid[1]:
+                    for nw in grid[2]:
+                        for st in grid[3]:
+                            kw = dict(block_n=bn, block_k=bk, splits=1, num_warps=nw, num_stages=st)
+                            row = {"w": name, **kw}
+                            f = jax.jit(lambda x, q, kw=kw: gemv_matmul_triton(x, q, transpose_w=True, **kw))
+                            try:
+                                t = best_time(f, x, q, reps=50)
+                            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                                rows.append({**row, "error": str(e)[:160]})
+                                continue
+                            rows.append({**row, "us": t * 1e6, "TBps": nbytes / t / 1e12})
+            best = min((r for r in rows if "us" in r and r["w"] == name), key=lambda r: r["us"])
+            print("best", best, flush=True)
+        out["sweep"] = rows
+    return out
+
+
+def time_blocks(sweep: bool) -> dict:
+    out = {}
+    key = jax.random.key(2)
+    for name, (k, n) in BLOCKS.items():
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) for i in range(COPIES)]
+        x = jax.random.normal(key, (1, k), jnp.bfloat16)
+        nbytes = k * n * 2
+        res = {}
+
+        def timed(fn):
+            f = jax.jit(lambda x, ws: [fn(x + i, w) for i, w in enumerate(ws)])
+            return best_time(f, x, ws, reps=100) / COPIES
+
+        t = timed(lambda x, w: x @ w)
+        res["xla_us"], res["xla_TBps"] = t * 1e6, nbytes / t / 1e12
+        t = timed(lambda x, w: gemv_matmul_triton(x, w))
+        res["gemv_us"], res["gemv_TBps"] = t * 1e6, nbytes / t / 1e12
+        print(name, {a: round(b, 2) for a, b in res.items()}, flush=True)
+        if sweep:
+            rows = []
+            for bn in (32, 64, 128):
+                for bk in (32, 64):
+                    for ns in (1, 2, 4):
+                        if n % bn or k % (bk * ns) or k % 128:
+                            continue
+                        kw = dict(block_n=bn, block_k=bk, splits=ns, num_warps=4, num_stages=4)
+                        try:
+                            t = timed(lambda x, w, kw=kw: gemv_matmul_triton(x, w, **kw))
+                        except Exception as e:  # noqa: BLE001
+                            rows.append({**kw, "error": str(e)[:160]})
+                            continue
+                        rows.append({**kw, "us": t * 1e6, "TBps": nbytes / t / 1e12})
+            res["sweep"] = rows
+            best = min((r for r in rows if "us" in r), key=lambda r: r["us"])
+            print("best", name, best, flush=True)
+        out[name] = res
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gemv.json")
+    ap.add_argument("--sweep", default="", help="comma list: head, blocks")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: head, blocks")
+    args = ap.parse_args()
+    sweep, skip = set(filter(None, args.sweep.split(","))), set(filter(None, args.skip.split(",")))
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+    out["check"] = check(np.random.default_rng(0))
+    if "head" not in skip:
+        k, n = HEAD
+        w = jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(1), (1, k), jnp.bfloat16)
+        out["head"] = time_head(x, w, "head" in sweep)
+        del w
+    if "blocks" not in skip:
+        out["blocks"] = time_blocks("blocks" in sweep)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
