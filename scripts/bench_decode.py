@@ -130,7 +130,7 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    gdn = batch * n_gdn * state * (2 if k == 0 else 1 + (k + 1))  # read + write (or the k+1 step states)
+    gdn = batch * n_gdn * state * 2  # read + write (a verify commits its accepted prefix: still one state out)
     return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
 
 

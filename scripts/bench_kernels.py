@@ -364,7 +364,7 @@ def section_model():
 
 def _model_check(label, cfg, kernels):
     import jaxmtp.pallas.matmul as matmul_mod
-    from jaxmtp.layers.gated_deltanet import GDNSteps
+    from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
     from jaxmtp.model import forward, init_carry, init_params
     from jaxmtp.pallas import XLA
     from jaxmtp.param_layout import fuse_projections
@@ -384,7 +384,8 @@ def _model_check(label, cfg, kernels):
         logits_d, _, carry = fwd(p, ids[:, t0 : t0 + 1], jnp.asarray(lens[:, None], jnp.int32), carry)
         vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
         logits_v, _, steps = fwd(p, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)
-        states = [c.states for c in steps if isinstance(c, GDNSteps)]
+        n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes, committed with the backend's recurrent rule
+        states = [select_step(c, n, backend.gdn_recurrent).state for c in steps if isinstance(c, GDNSteps)]
         return [logits_p, logits_d, logits_v], states
 
     max_rows = matmul_mod.KERNEL_MAX_ROWS

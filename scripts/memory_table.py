@@ -27,13 +27,13 @@ def main():
     for path in args.model:
         rows.insert(0, (path, jaxmtp.Qwen35Config.from_pretrained(path)))
     print(f"slots = {args.slots}, context = {args.context} tokens, k = {args.k}, {args.dtype}; MiB\n")
-    print("| model | weights | KV / slot | MTP KV / slot | GDN state / slot | conv / slot | verify stack / slot "
+    print("| model | weights | KV / slot | MTP KV / slot | GDN state / slot | conv / slot | verify window / slot "
           "(transient) | logits / slot (transient) | total |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, cfg in rows:
         p = memory_plan(cfg, args.slots, args.context, args.k, args.dtype)
         print(f"| {name} | {mib(p.weights)} | {mib(p.kv_per_slot)} | {mib(p.mtp_kv_per_slot)} | "
-              f"{mib(p.gdn_state_per_slot)} | {mib(p.conv_per_slot)} | {mib(p.verify_stack_per_slot)} | "
+              f"{mib(p.gdn_state_per_slot)} | {mib(p.conv_per_slot)} | {mib(p.verify_window_per_slot)} | "
               f"{mib(p.logits_per_slot)} | {mib(p.total)} |")
 
 

@@ -38,7 +38,7 @@ def test_prefill_then_decode_equals_full_forward(checkpoint_factory, rng, kind, 
 
 
 def test_step_states_rollback_equals_shorter_window(checkpoint_factory, rng):
-    """Selecting the state after n of T verify tokens equals running only those n tokens."""
+    """Committing n of T verify tokens equals running only those n tokens (n = 0: the carry stays as it was)."""
     path, _ = checkpoint_factory("dense", hv_ratio=2)
     model = jaxmtp.load(path, dtype="float32", progress=False)
     cfg = model.config
@@ -49,12 +49,14 @@ def test_step_states_rollback_equals_shorter_window(checkpoint_factory, rng):
     _, _, carry = fwd(model.params, ids[:, :20], pos[:, :20], init_carry(cfg, 3, cap, jnp.float32))
     verify = jax.jit(functools.partial(forward, cfg=cfg, step_states=True))
     _, _, stacked = verify(model.params, ids[:, 20:25], pos[:, 20:25], carry)
-    n = np.array([1, 3, 5], np.int32)  # tokens kept per row
+    n = np.array([0, 3, 5], np.int32)  # tokens kept per row
     for li, c in enumerate(stacked):
         if not isinstance(c, GDNSteps):
             continue
         chosen = select_step(c, jnp.asarray(n))
-        for row in range(3):
+        np.testing.assert_array_equal(np.asarray(chosen.state[0]), np.asarray(carry[li].state[0]))
+        np.testing.assert_array_equal(np.asarray(chosen.conv[0]), np.asarray(carry[li].conv[0]))
+        for row in (1, 2):
             k = int(n[row])
             _, _, short = fwd(model.params, ids[row : row + 1, 20 : 20 + k], pos[row : row + 1, 20 : 20 + k],
                               jax.tree.map(lambda a: a[row : row + 1], carry))

@@ -1,6 +1,7 @@
 """The one-kernel GDN mixer (Pallas Triton, run by the interpreter) against the unfused layer (XLA path): decode
-with a padding row (output, state and conv window) and verify with step states, GQA ratios 1 and 2, float32 and
-bfloat16, two v blocks per head. The layer's XLA path is itself checked against transformers (test_parity_hf)."""
+with a padding row (output, state and conv window) and verify (replay inputs, then the commit of accepted prefixes),
+GQA ratios 1 and 2, float32 and bfloat16, two v blocks per head. The layer's XLA path is itself checked against
+transformers (test_parity_hf)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, gated_deltanet
+from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, gated_deltanet, select_step
 from jaxmtp.model import init_params
 from jaxmtp.pallas.gated_delta_rule import use_fused_mixer
 from jaxmtp.param_layout import fuse_projections
@@ -63,5 +64,19 @@ def test_verify_step_states_match_the_unfused_layer(rng, r, dtype):
     assert isinstance(s, GDNSteps)
     mask = np.asarray(valid)
     _close(np.asarray(y)[mask], np.asarray(y_ref)[mask], dtype)
-    _close(s.states, s_ref.states, dtype)
+    for got, want in [(s.k, s_ref.k), (s.v, s_ref.v), (s.g, s_ref.g), (s.beta, s_ref.beta)]:
+        _close(got, want, dtype)
+    np.testing.assert_array_equal(np.asarray(s.g)[~mask], 0.0)  # padding tokens: no decay, no write
+    np.testing.assert_array_equal(np.asarray(s.beta)[~mask], 0.0)
     np.testing.assert_array_equal(np.asarray(s.conv_inputs), np.asarray(s_ref.conv_inputs))
+    n = jnp.asarray([2, 0, 3], jnp.int32)  # accepted prefixes; row 1 (idle) commits nothing
+    c, c_ref = select_step(s, n, "triton_interpret"), select_step(s_ref, n, "xla")
+    _close(c.state, c_ref.state, dtype)
+    np.testing.assert_array_equal(np.asarray(c.conv), np.asarray(c_ref.conv))
+    np.testing.assert_array_equal(np.asarray(c.state[1]), np.asarray(carry.state[1]))
+    # the committed carry is what a shorter window leaves (row 0: its first 2 tokens)
+    row0 = jax.tree.map(lambda a: a[:1], carry)
+    short = lambda impl: gated_deltanet(p, cfg, x[:1, :2], valid[:1, :2], row0, form="recurrent",  # noqa: E731
+                                        mixer=impl)[1]
+    _close(c.state[:1], short("triton_interpret").state, dtype)
+    np.testing.assert_array_equal(np.asarray(c.conv[:1]), np.asarray(short("xla").conv))

@@ -3,12 +3,13 @@
 One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
 
 1. verify: the target runs over ``[last, d_1 .. d_k]`` at positions ``length .. length + k``, keeping every GDN
-   layer's state after each token (``GDNSteps``);
+   layer's carry and the window's conv outputs and gates (``GDNSteps``);
 2. accept: the target's token ``t_i`` at each position (greedy or seeded Gumbel-max, see :mod:`jaxmtp.sampling`);
    ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
    token budget;
-3. rollback: GDN carries take the entry after ``a + 1`` tokens of the stack; KV caches just advance ``length``
-   (rows past it are stale and overwritten later);
+3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
+   :func:`jaxmtp.layers.gated_deltanet.select_step`); KV caches just advance ``length`` (rows past it are stale
+   and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states, row ``a``
    gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
 
@@ -219,13 +220,9 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
         a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
         n = a + 1
 
-        def pick(old, new):
-            if isinstance(new, GDNSteps):
-                sel = select_step(new, n)
-                return jax.tree.map(lambda o, s: jnp.where(act.reshape((-1,) + (1,) * (o.ndim - 1)), s, o), old, sel)
-            return new
-
-        carry = tuple(pick(o, c) for o, c in zip(state.carry, carry, strict=True))
+        n_commit = jnp.where(act, n, 0)  # inactive rows commit nothing: their carry stays as it was
+        carry = tuple(select_step(c, n_commit, backend.gdn_recurrent) if isinstance(c, GDNSteps) else c
+                      for c in carry)
     else:
         a = jnp.zeros_like(state.length)
         n = a + 1

@@ -4,8 +4,9 @@ Per slot (``capacity`` = max context + k rows of KV headroom for the verify wind
 
 * KV: attention layers x 2 (k, v) x Hkv x capacity x head_dim x dtype bytes, plus the same for each MTP layer;
 * GDN: layers x (Hv x dk x dv x 4 bytes of float32 state + (K-1) x conv channels x dtype bytes of conv window);
-* verify stack (transient, one step): GDN layers x (k+1) states x Hv x dk x dv x 4 bytes, plus the window's raw conv
-  inputs, plus the k+1 rows of float32 logits.
+* verify window (transient, one step): per GDN layer the window's raw conv inputs (K-1+k+1 rows of conv channels)
+  and its conv outputs k and v (k+1 rows), all in the model dtype, and its float32 gates; plus the k+1 rows of
+  float32 logits. (No per-token states: the accepted prefix is committed by running the rule again.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class MemoryPlan:
     mtp_kv_per_slot: int
     gdn_state_per_slot: int
     conv_per_slot: int
-    verify_stack_per_slot: int
+    verify_window_per_slot: int
     logits_per_slot: int
     slots: int
     capacity: int
@@ -44,7 +45,7 @@ class MemoryPlan:
 
     @property
     def transient_per_slot(self) -> int:
-        return self.verify_stack_per_slot + self.logits_per_slot
+        return self.verify_window_per_slot + self.logits_per_slot
 
     @property
     def per_slot(self) -> int:
@@ -59,7 +60,7 @@ class MemoryPlan:
         rows = [
             ("weights", self.weights), ("KV per slot", self.kv_per_slot), ("MTP KV per slot", self.mtp_kv_per_slot),
             ("GDN state per slot", self.gdn_state_per_slot), ("conv window per slot", self.conv_per_slot),
-            ("verify stack per slot (transient)", self.verify_stack_per_slot),
+            ("verify window per slot (transient)", self.verify_window_per_slot),
             ("logits per slot (transient)", self.logits_per_slot),
             (f"total ({self.slots} slots, {self.capacity} KV rows, k={self.k})", self.total),
         ]
@@ -84,8 +85,9 @@ def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=j
         mtp_kv_per_slot=(cfg.mtp_num_hidden_layers * capacity * kv_row) if k > 0 else 0,
         gdn_state_per_slot=n_gdn * state,
         conv_per_slot=n_gdn * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * b,
-        verify_stack_per_slot=(n_gdn * ((k + 1) * state + (cfg.linear_conv_kernel_dim + k) * cfg.conv_dim * b))
-        if k > 0 else 0,
+        verify_window_per_slot=(n_gdn * ((cfg.linear_conv_kernel_dim + k) * cfg.conv_dim * b + (k + 1) * (
+            (cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
+             * cfg.linear_value_head_dim) * b + 2 * cfg.linear_num_value_heads * 4))) if k > 0 else 0,
         logits_per_slot=(k + 1) * cfg.vocab_size * 4,
         slots=slots,
         capacity=capacity,

@@ -5,7 +5,8 @@ over a plain decode step. Measured on an H200 at Qwen3.5 shapes (docs/performanc
 acceptance lengths published for Qwen3.5's MTP head (1.9 / 2.4 / 2.9 for k = 1 / 2 / 3):
 
 * dense models: k = 3 is the fastest at batch 1 and still faster than plain decoding at batch 64 (4B: 2.3x at
-  batch 1, 1.5x at 64; 27B: 2.5x at 1, 2.0x at 32). Larger slot counts were not measured: plain decoding there.
+  batch 1, 1.5x at 64; 27B: 2.5x at 1, 2.0x at 32; since the verify commits by replay (run 9, H100) the 4B gives
+  1.8x at 32 and 1.7x at 64). Larger slot counts were not measured: plain decoding there.
 * MoE models with the grouped-expert kernel (``backend.moe`` not ``"xla"``, the GPU default): the expert matmuls
   cost about the bytes of the experts touched, so speculation pays like in dense models. 35B-A3B, k = 3: 2.1x plain
   at batch 1, 1.35x at 8, 1.8x at 32, 1.9x at 64 (k = 1 at batch 8: 1.28x).

@@ -6,9 +6,13 @@ Weights (native layout, ``x @ W``): ``in_proj_qkv [H, C]`` with C = [q (Hk*dk) |
 serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated) instead; see
 :mod:`jaxmtp.layers.projections`.
 
-Rollback for speculative decoding: :func:`gated_deltanet` can return a :class:`GDNSteps` (the raw conv inputs of
-the window and the state after every token); :func:`select_step` turns it into the carry after any accepted prefix.
-The same selection gives the carry at the last real token of a right-padded prefill row.
+Rollback for speculative decoding: with ``step_states=True`` :func:`gated_deltanet` returns a :class:`GDNSteps`
+instead of the new carry: the carry before the verify window and the window's conv inputs, conv outputs and gates.
+:func:`select_step` commits the first n tokens of each row once the accepted length is known, by running the rule
+over them again from the old state (the other tokens masked with g = beta = 0, which leaves a state unchanged). The
+committed state is the one plain decoding reaches, computed by the same per-token arithmetic; and a verify step
+moves each layer's state once in and once out (plus the commit's read), where keeping the state after every token
+(T states written, one read back) moved T + 2 states per slot (docs/performance.md, run 9).
 """
 
 from __future__ import annotations
@@ -48,19 +52,30 @@ class GDNCarry:
 
 @struct.dataclass
 class GDNSteps:
-    """Per-token history of one window of T tokens: ``conv_inputs [B, K-1+T, C]`` (old window then the new raw
-    projections) and ``states [B, T, Hv, dk, dv]`` (state after each token)."""
+    """A verify window, kept until its accepted length is known: ``carry`` before the window;
+    ``conv_inputs [B, K-1+T, C]`` (the old window, then the new raw projections); the conv outputs
+    ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm) and the gates
+    ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens)."""
 
+    carry: GDNCarry
     conv_inputs: jax.Array
-    states: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
 
 
-def select_step(steps: GDNSteps, n_tokens: jax.Array) -> GDNCarry:
-    """Carry after the first ``n_tokens[b]`` (1..T) tokens of each row's window."""
-    km1 = steps.conv_inputs.shape[1] - steps.states.shape[1]
-    conv = _conv_window(steps.conv_inputs, n_tokens, km1)
-    state = jnp.take_along_axis(steps.states, (n_tokens - 1)[:, None, None, None, None], axis=1)[:, 0]
-    return GDNCarry(conv, state)
+def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla") -> GDNCarry:
+    """Carry after the first ``n_tokens[b]`` (0..T) tokens of each row's window: the rule runs again over them
+    from the old state (``implementation`` names the recurrent kernel; its final state overwrites the old one)."""
+    t = steps.k.shape[1]
+    km1 = steps.conv_inputs.shape[1] - t
+    keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
+    g, beta = jnp.where(keep, steps.g, 0.0), jnp.where(keep, steps.beta, 0.0)
+    # q only feeds the discarded read-out: k stands in for it
+    _, state = fused_recurrent_gated_delta_rule(steps.k, steps.k, steps.v, g, beta, initial_state=steps.carry.state,
+                                                use_qk_l2norm_in_kernel=True, implementation=implementation)
+    return GDNCarry(_conv_window(steps.conv_inputs, n_tokens, km1), state)
 
 
 def _conv_window(conv_inputs: jax.Array, n_tokens: jax.Array, km1: int) -> jax.Array:
@@ -123,7 +138,7 @@ def gated_deltanet(
 
     common = dict(initial_state=carry.state, use_qk_l2norm_in_kernel=True, implementation=implementation)
     if step_states:
-        o, states = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_step_states=True, **common)
+        o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=False, **common)
     elif form == "recurrent":
         o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **common)
     elif form == "chunk":
@@ -134,7 +149,7 @@ def gated_deltanet(
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
     y = mm(y, p["out_proj"])
     if step_states:
-        return y, GDNSteps(conv_inputs, states)
+        return y, GDNSteps(carry, conv_inputs, k, v, g, beta)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
 
@@ -146,12 +161,12 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: b
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     proj = mm(x, p["in_proj_qkvzba"])
     o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
-                       output_step_states=step_states, implementation=implementation)
+                       replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
     y = mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
            p["out_proj"])
     if step_states:
         conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
-        return y, GDNSteps(conv_inputs, out)
+        return y, GDNSteps(carry, conv_inputs, *out)
     state, window = out
     return y, GDNCarry(window, state)

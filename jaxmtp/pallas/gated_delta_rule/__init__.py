@@ -72,8 +72,7 @@ def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
             and _triton_shapes_ok(dk, dv) and projection_blocks_ok(hk, hv, dk, dv))
 
 
-def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, output_step_states=False,
-              implementation="triton"):
+def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, replay=False, implementation="triton"):
     """Conv, gates and recurrence of a decode/verify window from the fused input projection, in one kernel
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`; shapes there). Only for :func:`use_fused_mixer`; its
     reference is the unfused layer (:func:`jaxmtp.layers.gated_deltanet.gated_deltanet`, ``implementation="xla"``)."""
@@ -83,7 +82,7 @@ def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, output
         raise ValueError(f"the fused GDN mixer does not run {implementation!r} at these shapes")
     return gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid,
                             hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                            dv=cfg.linear_value_head_dim, output_step_states=output_step_states,
+                            dv=cfg.linear_value_head_dim, replay=replay,
                             interpret=interpret_arg(implementation))
 
 

@@ -11,9 +11,13 @@ selects, concatenation, slices, the window update), each costing more in launch 
 batch 1 (docs/performance.md, "Decode step profile"). The gated RMSNorm stays with XLA: it needs a whole head's dv,
 and a program per whole head was slower (9 us against 3-5 us per layer at the 4B shape, H200).
 
-Outputs: ``o [B, T, Hv, dv]`` and either the final state ``[B, Hv, dk, dv]`` with the new conv window
-``[B, K-1, C]`` (mode "final": the window after each row's valid tokens), or the state after every token
-``[B, T, Hv, dk, dv]`` (mode "steps", verify; the caller keeps the conv inputs for rollback).
+Outputs: ``o [B, T, Hv, dv]`` and either the final state ``[B, Hv, dk, dv]`` (updated in place) with the new
+conv window ``[B, K-1, C]`` (mode "final": the window after each row's valid tokens), or, for a verify window whose
+accepted length is not known yet (mode "replay"), what the rule needs to run the window's first n tokens again:
+the conv outputs ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype) and the gates ``g, beta [B, T, Hv]``
+(float32). Replay mode writes no state: the caller commits the accepted prefix afterwards with the recurrent rule
+(:func:`jaxmtp.layers.gated_deltanet.select_step`), so a verify step moves the state once in and once out instead of
+writing T states and reading one back.
 
 The reference is the unfused layer itself (``gated_deltanet`` with the XLA implementation), which the tests compare
 against; rounding matches it (conv outputs are rounded to the model dtype where the unfused path stores them).
@@ -79,8 +83,18 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
         beta = jnp.where(valid, jax.nn.sigmoid(pb_ref[i, 0].astype(f32)), 0.0)
         s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
         o_ref[i, :] = o.astype(o_ref.dtype)
-        if mode == "steps":
-            s_ref[i, :, :] = s
+        if mode == "replay":
+            k_out, v_out, g_out, beta_out = s_ref, *win_out
+            v_out[i, :] = vs[i].astype(v_out.dtype)
+
+            @pl.when(iv == 0)
+            def _():
+                g_out[i] = g
+                beta_out[i] = beta
+
+            @pl.when((h % r == 0) & (iv == 0))
+            def _():
+                k_out[i, :] = ks[i].astype(k_out.dtype)
     if mode == "final":
         s_ref[...] = s
         (win_ref,) = win_out
@@ -103,20 +117,20 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
                 win_ref[j, pl.ds(k_off + kh * dk, dk)] = window_row(k_rows, j)
 
 
-@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "output_step_states", "block_v", "num_warps",
-                                             "interpret"))
-def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, hv, dk, dv, output_step_states=False,
+@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "interpret"))
+def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, hv, dk, dv, replay=False,
                      block_v=None, num_warps=None, interpret=False):
     """proj [B, T, P]; window [B, K-1, C]; conv_w [K, C]; a_log, dt_bias [Hv]; state [B, Hv, dk, dv] (float32);
     valid [B, T] bool. Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], window [B, K-1, C])) or, with
-    ``output_step_states``, (o, states [B, T, Hv, dk, dv]). ``block_v`` (BV) and ``num_warps`` tune it."""
+    ``replay``, (o, (k [B, T, Hk, dk], v [B, T, Hv, dv], g [B, T, Hv], beta [B, T, Hv])). ``block_v`` (BV) and
+    ``num_warps`` tune it."""
     b, t, _ = proj.shape
     km1 = window.shape[1]
     c = 2 * hk * dk + hv * dv
     r = hv // hk
     bv = min(block_v or BLOCK_V, dv)
     nv = dv // bv
-    mode = "steps" if output_step_states else "final"
+    mode = "replay" if replay else "final"
     bb = c + hv * dv  # the first b column
     seg = lambda w, blk: pl.BlockSpec((None, t, w), lambda iv, h, bi: (bi, 0, blk(iv, h)))  # noqa: E731
     win = lambda w, blk: pl.BlockSpec((None, km1, w), lambda iv, h, bi: (bi, 0, blk(iv, h)))  # noqa: E731
@@ -137,9 +151,13 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
         a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), valid.astype(jnp.int32), state.astype(jnp.float32)]
     out_shape = [jax.ShapeDtypeStruct((b, t, hv, dv), proj.dtype)]
     out_specs = [pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv))]
-    if mode == "steps":
-        out_shape.append(jax.ShapeDtypeStruct((b, t, hv, dk, dv), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, t, None, dk, bv), lambda iv, h, bi: (bi, 0, h, 0, iv)))
+    if mode == "replay":  # k once per key head, g and beta once per value head
+        gate = lambda: pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h))  # noqa: E731
+        out_shape += [jax.ShapeDtypeStruct((b, t, hk, dk), proj.dtype),
+                      jax.ShapeDtypeStruct((b, t, hv, dv), proj.dtype),
+                      jax.ShapeDtypeStruct((b, t, hv), jnp.float32), jax.ShapeDtypeStruct((b, t, hv), jnp.float32)]
+        out_specs += [pl.BlockSpec((None, t, None, dk), lambda iv, h, bi: (bi, 0, h // r, 0)),
+                      pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)), gate(), gate()]
     else:
         out_shape += [jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
                       jax.ShapeDtypeStruct((b, km1, c), window.dtype)]
@@ -157,10 +175,8 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
         # decode updates the state in place (each program reads and writes only its own slice), which spares XLA a
         # copy of every layer's state per step; the window is not aliased (q/k channels are read by several
         # programs and written by one)
-        input_output_aliases={} if mode == "steps" else {len(args) - 1: 1},
+        input_output_aliases={} if mode == "replay" else {len(args) - 1: 1},
         interpret=interpret,
         name="gdn_mixer",
     )(*args)
-    if mode == "steps":
-        return outs[0], outs[1]
-    return outs[0], (outs[1], outs[2])
+    return outs[0], tuple(outs[1:])

@@ -88,6 +88,9 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        # the final state overwrites the initial one (each program reads and writes only its own slice): committing
+        # a verify window's accepted prefix then moves each state once in and once out, with no copy
+        input_output_aliases={5: 1} if (mode == "final" and has_init) else {},
         interpret=interpret,
         name="gdn_fused_recurrent",
     )(*args)
