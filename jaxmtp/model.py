@@ -5,7 +5,7 @@
 ``positions`` holds each token's absolute position; ``-1`` marks padding, which must sit at the end of a row (right
 padding). Padding tokens write nothing into any carry. ``hidden`` is the final-normed hidden state (what the LM head
 scores and what the MTP head consumes). Prefill (T = chunk), decode (T = 1) and verify (T = k + 1) are the same
-function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (the old carry and
+function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (the old state and
 the window's rule inputs), from which :func:`jaxmtp.layers.gated_deltanet.select_step` commits an accepted prefix.
 
 Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout

@@ -7,7 +7,8 @@ serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated
 :mod:`jaxmtp.layers.projections`.
 
 Rollback for speculative decoding: with ``step_states=True`` :func:`gated_deltanet` returns a :class:`GDNSteps`
-instead of the new carry: the carry before the verify window and the window's conv inputs, conv outputs and gates.
+instead of the new carry: the state before the verify window and the window's conv inputs (the old conv window
+first), conv outputs and gates.
 :func:`select_step` commits the first n tokens of each row once the accepted length is known, by running the rule
 over them again from the old state (the other tokens masked with g = beta = 0, which leaves a state unchanged). The
 committed state is the one plain decoding reaches, computed by the same per-token arithmetic; and a verify step
@@ -52,12 +53,12 @@ class GDNCarry:
 
 @struct.dataclass
 class GDNSteps:
-    """A verify window, kept until its accepted length is known: ``carry`` before the window;
+    """A verify window, kept until its accepted length is known: ``state [B, Hv, dk, dv]`` before the window;
     ``conv_inputs [B, K-1+T, C]`` (the old window, then the new raw projections); the conv outputs
     ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm) and the gates
     ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens)."""
 
-    carry: GDNCarry
+    state: jax.Array
     conv_inputs: jax.Array
     k: jax.Array
     v: jax.Array
@@ -73,7 +74,7 @@ def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla
     keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
     g, beta = jnp.where(keep, steps.g, 0.0), jnp.where(keep, steps.beta, 0.0)
     # q only feeds the discarded read-out: k stands in for it
-    _, state = fused_recurrent_gated_delta_rule(steps.k, steps.k, steps.v, g, beta, initial_state=steps.carry.state,
+    _, state = fused_recurrent_gated_delta_rule(steps.k, steps.k, steps.v, g, beta, initial_state=steps.state,
                                                 use_qk_l2norm_in_kernel=True, implementation=implementation)
     return GDNCarry(_conv_window(steps.conv_inputs, n_tokens, km1), state)
 
@@ -149,7 +150,7 @@ def gated_deltanet(
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
     y = mm(y, p["out_proj"])
     if step_states:
-        return y, GDNSteps(carry, conv_inputs, k, v, g, beta)
+        return y, GDNSteps(carry.state, conv_inputs, k, v, g, beta)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
 
@@ -167,6 +168,6 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: b
            p["out_proj"])
     if step_states:
         conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
-        return y, GDNSteps(carry, conv_inputs, *out)
+        return y, GDNSteps(carry.state, conv_inputs, *out)
     state, window = out
     return y, GDNCarry(window, state)

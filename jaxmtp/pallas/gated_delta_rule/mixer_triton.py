@@ -53,8 +53,9 @@ def _softplus(x):
 
 
 def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_ref, ck_ref, cv_ref, alog_ref,
-            dtb_ref, valid_ref, h0_ref, o_ref, s_ref, *win_out, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
+            dtb_ref, valid_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
     iv, h = pl.program_id(0), pl.program_id(1)
+    key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's channels
     f32 = jnp.float32
     rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731 - where the unfused path stores in the model dtype
 
@@ -84,7 +85,7 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
         s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
         o_ref[i, :] = o.astype(o_ref.dtype)
         if mode == "replay":
-            k_out, v_out, g_out, beta_out = s_ref, *win_out
+            k_out, v_out, g_out, beta_out = outs
             v_out[i, :] = vs[i].astype(v_out.dtype)
 
             @pl.when(iv == 0)
@@ -92,12 +93,12 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
                 g_out[i] = g
                 beta_out[i] = beta
 
-            @pl.when((h % r == 0) & (iv == 0))
+            @pl.when(key_head_writer)
             def _():
                 k_out[i, :] = ks[i].astype(k_out.dtype)
     if mode == "final":
+        s_ref, win_ref = outs
         s_ref[...] = s
-        (win_ref,) = win_out
         q_off, k_off, v_off = offsets
 
         def window_row(rows, j):  # raw input row n_valid + j of (window ++ proj)
@@ -109,7 +110,7 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
         for j in range(km1):
             win_ref[j, pl.ds(v_off + h * dv + iv * bv, bv)] = window_row(v_rows, j)
 
-        @pl.when((h % r == 0) & (iv == 0))
+        @pl.when(key_head_writer)
         def _():
             kh = h // r
             for j in range(km1):
