@@ -161,18 +161,18 @@ def _chat_template(path: str) -> str | None:
 
 
 def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
-         progress: bool = True, int8_draft_head: bool = True, draft_vocab=None, draft_head_bits: int = 8) -> Model:
+         progress: bool = True, int8_draft_head: bool = True, draft_vocab=None,
+         draft_head_bits: int | None = None) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
     ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless. The params come in the serving
-    layout (:mod:`jaxmtp.param_layout`): fused projections and, with ``int8_draft_head`` and an MTP head, an int8
-    copy of the LM head for the drafts (outputs unchanged; costs V x H bytes of memory). ``draft_vocab`` (token ids,
+    layout (:mod:`jaxmtp.param_layout`): fused projections and, with ``int8_draft_head`` and an MTP head, a quantised
+    copy of the LM head for the drafts (outputs unchanged; on a GPU int4 where the hidden size is a multiple of 128,
+    costing V x H / 2 bytes of memory, else int8, V x H; ``draft_head_bits`` chooses: 8 drafts a little closer to the
+    exact head, 4 reads half the bytes; :func:`jaxmtp.param_layout.default_draft_head_bits`). ``draft_vocab`` (token ids,
     or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
     N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).
-    ``draft_head_bits=4`` quantises the draft head to int4 instead (a quarter of the bf16 bytes; outputs unchanged,
-    drafts a little further from the exact head's; on an H100 not faster end to end than int8, see docs/performance.md,
-    run 8).
     """
     if path is None:
         from jaxmtp.default_model import default_model_path
@@ -201,15 +201,16 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
         params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
     if ids is not None and not cfg.has_mtp:  # the config can name MTP layers that the checkpoint lacks
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
+    backend = resolve_backend(backend, cfg, dtype)
     params = jax.device_put(serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids,
-                                           draft_head_bits=draft_head_bits))
+                                           draft_head_bits=draft_head_bits, backend=backend))
     return Model(
         config=cfg,
         params=params,
         tokenizer=_load_tokenizer(path),
         path=path,
         dtype=dtype,
-        backend=resolve_backend(backend, cfg, dtype),
+        backend=backend,
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         chat_template=_chat_template(path),
     )

@@ -133,24 +133,40 @@ def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
     return params
 
 
-def check_draft_head_options(draft_head: bool, draft_head_bits: int) -> None:
-    """Refuse draft-head settings :func:`serving_layout` cannot honour (ConfigError): bits other than 4 or 8, or
-    bits other than the default 8 for a head that is not quantised (``draft_head=False``)."""
-    if draft_head_bits not in (4, 8):
+def default_draft_head_bits(hidden_size: int, backend=None) -> int:
+    """The draft head's quantisation when none is asked for: int4 where the GPU's dp4a kernel reads it (``backend``,
+    a :class:`jaxmtp.pallas.Backend`, drafts with "triton") and the hidden size packs into whole blocks of
+    :data:`INT4_BLOCK`, else int8. Decided in run 10 (docs/performance.md): with that kernel the k = 3 step at batch 1
+    is 3-7% cheaper with the int4 head than with int8 (H100, 0.8B-27B shapes) and even from 8 slots up, while on the
+    shipped default model the int4 drafts' acceptance length is 1.3% lower (3.20 against 3.24; no real Qwen3.5
+    checkpoint was reachable to measure it there). Without the kernel (CPU, TPU) the int4 product unpacks the head
+    on every call, no cheaper than int8's conversion, so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
+    choose either."""
+    kernel = backend is not None and backend.draft_head == "triton"
+    return 4 if kernel and hidden_size % INT4_BLOCK == 0 else 8
+
+
+def check_draft_head_options(draft_head: bool, draft_head_bits: int | None) -> None:
+    """Refuse draft-head settings :func:`serving_layout` cannot honour (ConfigError): bits other than 4 or 8 (None:
+    :func:`default_draft_head_bits`), or 4 bits for a head that is not quantised (``draft_head=False``)."""
+    if draft_head_bits not in (None, 4, 8):
         raise ConfigError(f"draft_head_bits must be 4 or 8, not {draft_head_bits!r}")
-    if draft_head_bits != 8 and not draft_head:
+    if draft_head_bits == 4 and not draft_head:
         raise ConfigError(f"draft_head_bits={draft_head_bits} asks for a quantised draft head, but the draft head "
                           "was turned off (int8_draft_head=False / --exact-draft-head)")
 
 
-def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None, draft_head_bits: int = 8) -> dict:
+def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
+                   draft_head_bits: int | None = None, backend=None) -> dict:
     """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to
-    ``draft_head_bits``) or a ``draft_vocab`` (checked token ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks
-    for one. In place; contradictory draft-head settings are refused first (:func:`check_draft_head_options`)."""
+    ``draft_head_bits``, default :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token ids,
+    :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are refused
+    first (:func:`check_draft_head_options`)."""
     check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
-        add_draft_head(params, ids=draft_vocab, bits=draft_head_bits if draft_head else None)
+        bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)
+        add_draft_head(params, ids=draft_vocab, bits=bits if draft_head else None)
     return params
 
 

@@ -37,12 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations; auto: float32 on CPU, bfloat16 on accelerators")
     g.add_argument("--backend", default="auto", help="kernels: auto or xla (jaxmtp.pallas.resolve_backend)")
     g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
-                   help="draft with the bf16 LM head instead of its int8 copy (outputs are the same either way; the "
-                        "int8 copy halves what each draft reads and costs vocab x hidden bytes)")
-    g.add_argument("--draft-head-bits", type=int, default=8, choices=[8, 4],
-                   help="quantisation of the drafts' copy of the LM head: 4 halves its bytes again (outputs are the "
-                        "same; drafts a little further from the exact head's; not faster end to end on an H100 yet, "
-                        "docs/performance.md run 8)")
+                   help="draft with the bf16 LM head instead of its quantised copy (outputs are the same either way; "
+                        "the copy cuts what each draft reads to a quarter (int4) or half (int8))")
+    g.add_argument("--draft-head-bits", type=int, default=None, choices=[8, 4],
+                   help="quantisation of the drafts' copy of the LM head (default 4 on a GPU where the hidden size is "
+                        "a multiple of 128, else 8): 8 drafts a little closer to the exact head, 4 reads half the bytes "
+                        "(outputs are the same; docs/performance.md run 10)")
     g.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="draft only among these token ids (.json list, .npy or whitespace-separated text; build one "
                         "with scripts/build_draft_vocab.py): each draft reads N rows of the head instead of the whole "

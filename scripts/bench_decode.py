@@ -32,7 +32,7 @@ from jaxmtp import shapes
 from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
-from jaxmtp.model import init_params, param_shapes
+from jaxmtp.model import describe_draft_head, init_params, param_shapes
 from jaxmtp.param_layout import serving_layout, weight_bytes
 from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.sampling import SamplingParams
@@ -83,17 +83,18 @@ LAYOUTS = ("serving", "fused", "native")
 
 
 def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None,
-                 draft_head_bits: int = 8) -> Model:
-    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the int8 draft
-    head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout). ``draft_vocab``: a hot
-    draft vocabulary of that many ids (the first ones; which ids does not matter for step costs)."""
+                 draft_head_bits: int | None = None) -> Model:
+    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the quantised
+    draft head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout). ``draft_vocab``:
+    a hot draft vocabulary of that many ids (the first ones; which ids does not matter for step costs)."""
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
+    backend = resolve_backend(backend, cfg, dtype)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
         params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
-                                draft_head_bits=draft_head_bits)
+                                draft_head_bits=draft_head_bits, backend=backend)
     jax.block_until_ready(params)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=resolve_backend(backend, cfg, dtype))
+    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend)
 
 
 def draft_head_bytes(params) -> int | None:
@@ -318,7 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (see random_model)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
-    ap.add_argument("--draft-head-bits", type=int, default=8, choices=[8, 4], help="draft head quantisation")
+    ap.add_argument("--draft-head-bits", type=int, default=None, choices=[8, 4],
+                    help="draft head quantisation (default: the engine's, int4 where the hidden size allows)")
     ap.add_argument("--tiny", action="store_true", help="shrink every shape (CPU smoke test of the script)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="stop starting new measurements after this")
     ap.add_argument("--out", default="bench_decode.json")
@@ -369,7 +371,8 @@ def main(argv=None) -> int:
             model = dataclasses.replace(model, backend=override_backend(model.backend, args.override))
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
-                 "init_s": time.perf_counter() - t0, "backend": str(model.backend), "prefill": [], "steps": [],
+                 "init_s": time.perf_counter() - t0, "backend": str(model.backend),
+                 "draft_head": describe_draft_head(model.params, cfg.vocab_size), "prefill": [], "steps": [],
                  "hf": []}
         result["models"][name] = entry
         print(f"\n== {name}: {entry['weights_bytes'] / 2**30:.1f} GiB of weights ({model.backend})", flush=True)

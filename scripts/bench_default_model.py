@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=None, help="read prompts from this JSON instead of the stdlib")
     ap.add_argument("--prompts-out", default=None, help="write the prompts to this JSON and exit")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft-head-bits", type=int, default=None, choices=[4, 8],
+                    help="the drafts' copy of the LM head (default: the engine's)")
     ap.add_argument("--out", default="bench_default_model.json")
     args = ap.parse_args(argv)
 
@@ -79,11 +81,13 @@ def main(argv=None) -> int:
     import jax
 
     import jaxmtp
+    from jaxmtp.model import describe_draft_head
 
-    model = jaxmtp.load(None, dtype=args.dtype, progress=False)
+    model = jaxmtp.load(None, dtype=args.dtype, progress=False, draft_head_bits=args.draft_head_bits)
     dev = jax.devices()[0]
     out = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
            "jax": jax.__version__, "python": platform.python_version(), "dtype": args.dtype,
+           "draft_head": describe_draft_head(model.params, model.config.vocab_size),
            "command": " ".join(["scripts/bench_default_model.py"] + sys.argv[1:]),
            "prompts": [p["file"] for p in prompts], "runs": []}
     for slots in [int(s) for s in args.slots.split(",")]:

@@ -31,8 +31,9 @@ import numpy as np  # noqa: E402
 
 from bench_norm_chain import best_time  # noqa: E402
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton  # noqa: E402
-from jaxmtp.pallas.matmul.reference import unpack_int4  # noqa: E402
+from jaxmtp.pallas.matmul.reference import int4_words, unpack_int4, w4a8_matmul_reference  # noqa: E402
 from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
+from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton  # noqa: E402
 from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
 
 HEAD = (2560, 248320)
@@ -96,6 +97,71 @@ def time_head(x, w, sweep: bool) -> dict:
     return out
 
 
+def check_w4a8(rng, x_head, w_head) -> dict:
+    """The dp4a kernel on the GPU against its reference (same int8 rows, exact integer sums): small shapes, then the
+    head with 1 and 3 rows."""
+    out = {}
+    cases = [(m, k, n, rng.standard_normal((n, k)).astype(np.float32)) for m, k, n in [(1, 512, 256), (3, 1024, 512)]]
+    for m, k, n, w in cases + [(1, *HEAD, w_head), (3, *HEAD, w_head)]:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) if k != HEAD[0] else jnp.tile(x_head, (m, 1)) * (
+            1 + jnp.arange(m, dtype=jnp.bfloat16)[:, None])
+        q, s = quantize_rows_int4(w)
+        want = np.asarray(w4a8_matmul_reference(x, q, s), np.float64)
+        got = np.asarray(w4a8_matmul_triton(x, int4_words(q), s), np.float64)
+        out[f"{m}x{k}x{n}"] = float(np.abs(got - want).max() / np.abs(want).max())
+    print("check w4a8", out, flush=True)
+    return out
+
+
+def time_w4a8(x, w, sweep: bool) -> dict:
+    """The int4 head read with rows quantised to int8 (dp4a) against the int4 and int8 kernels, 1-8 rows; the op
+    includes the rows' quantisation. ``words_view``: the words made from the uint8 packing inside the timed call
+    (whether XLA's bitcast is free)."""
+    out = {}
+    q4, s4 = quantize_rows_int4(w)
+    q8, _ = quantize_rows(w)
+    words = int4_words(q4)
+    nbytes = q4.size
+    for m in (1, 2, 4, 8):
+        xm = jnp.tile(x, (m, 1))
+        fns = {"w4a8": (lambda x, q, s: w4a8_matmul_triton(x, q, s), words),
+               "w4a8_words_view": (lambda x, q, s: w4a8_matmul_triton(x, int4_words(q), s), q4),
+               "int4_gemv": (lambda x, q, s: gemv_matmul_triton(x, q, transpose_w=True) * s, q4),
+               "int4_skinny": (lambda x, q, s: skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32") * s,
+                               q4),
+               "int8_gemv": (lambda x, q, s: gemv_matmul_triton(x, q, transpose_w=True) * s, q8),
+               "int8_skinny": (lambda x, q, s: skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32") * s,
+                               q8)}
+        for name, (fn, q) in fns.items():
+            if m > 4 and "gemv" in name:
+                continue
+            t = best_time(jax.jit(fn), xm, q, s4, reps=250)
+            out[f"{name}_rows{m}_us"] = t * 1e6
+            print("rows", m, name, round(t * 1e6, 1), "us", round(q.size * q.dtype.itemsize / t / 1e12, 2), "TB/s",
+                  flush=True)
+    if sweep:
+        rows = []
+        for m in (1,):
+            xm = jnp.tile(x, (m, 1))
+            for bn in (16, 32, 64):
+                for bw in (16, 32):
+                    for nw in (4, 8):
+                        for st in (2, 4):
+                            kw = dict(block_n=bn, words_per_step=bw, num_warps=nw, num_stages=st)
+                            row = {"rows": m, **kw}
+                            f = jax.jit(lambda x, q, s, kw=kw: w4a8_matmul_triton(x, q, s, **kw))
+                            try:
+                                t = best_time(f, xm, words, s4, reps=250)
+                            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                                rows.append({**row, "error": str(e)[:160]})
+                                continue
+                            rows.append({**row, "us": t * 1e6, "TBps": nbytes / t / 1e12})
+            best = min((r for r in rows if "us" in r and r["rows"] == m), key=lambda r: r["us"])
+            print("best w4a8", best, flush=True)
+        out["sweep"] = rows
+    return out
+
+
 def time_blocks(sweep: bool) -> dict:
     out = {}
     key = jax.random.key(2)
@@ -138,19 +204,22 @@ def time_blocks(sweep: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv.json")
-    ap.add_argument("--sweep", default="", help="comma list: head, blocks")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: head, blocks")
+    ap.add_argument("--sweep", default="", help="comma list: head, w4a8, blocks")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: head, w4a8, blocks")
     args = ap.parse_args()
     sweep, skip = set(filter(None, args.sweep.split(","))), set(filter(None, args.skip.split(",")))
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
     out["check"] = check(np.random.default_rng(0))
+    k, n = HEAD
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (1, k), jnp.bfloat16)
     if "head" not in skip:
-        k, n = HEAD
-        w = jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16)
-        x = jax.random.normal(jax.random.key(1), (1, k), jnp.bfloat16)
         out["head"] = time_head(x, w, "head" in sweep)
-        del w
+    if "w4a8" not in skip:
+        out["check_w4a8"] = check_w4a8(np.random.default_rng(1), x, w)
+        out["w4a8"] = time_w4a8(x, w, "w4a8" in sweep)
+    del w
     if "blocks" not in skip:
         out["blocks"] = time_blocks("blocks" in sweep)
     with open(args.out, "w") as f:

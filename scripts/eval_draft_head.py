@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=96)
     args = ap.parse_args(argv)
-    heads = {"int8": jaxmtp.load(args.model, dtype="float32", progress=False),
+    heads = {"int8": jaxmtp.load(args.model, dtype="float32", progress=False, draft_head_bits=8),
              "int4": jaxmtp.load(args.model, dtype="float32", progress=False, draft_head_bits=4)}
     model = heads["int8"]
     if model.tokenizer is None or "draft_head" not in model.params:

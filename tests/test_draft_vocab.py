@@ -176,9 +176,10 @@ def test_server_loads_the_draft_head_it_is_asked_for():
     from jaxmtp import serve
     from jaxmtp.model import describe_draft_head
 
-    for argv, kind, dtype in [([], "int8", np.int8), (["--draft-head-bits", "4"], "int4", np.uint8)]:
-        model = serve.load_model(serve.build_parser().parse_args(argv))  # the default model
-        assert describe_draft_head(model.params, model.config.vocab_size).startswith(kind)
+    for argv, kind, dtype in [([], "int8", np.int8), (["--draft-head-bits", "8"], "int8", np.int8),
+                              (["--draft-head-bits", "4"], "int4", np.uint8)]:  # default on the CPU: int8
+        model = serve.load_model(serve.build_parser().parse_args(argv))  # the default model (hidden 256)
+        assert describe_draft_head(model.params, model.config.vocab_size).startswith(kind), argv
         assert model.params["draft_head"]["weight"].dtype == dtype  # int4: two values per byte
     assert serve.main(["--draft-head-bits", "4", "--exact-draft-head", "--port", "0"]) == 2  # contradictory
     assert serve.main(["--draft-head-bits", "4", "--random-model", "tiny", "--port", "0"]) == 2  # hidden 64 < 128
@@ -208,7 +209,7 @@ def test_int4_draft_head_with_a_hot_vocabulary_keeps_plain_greedy_output(rng, ch
     dh = cheap.params["draft_head"]
     assert dh["weight"].dtype == jnp.uint8 and dh["weight"].shape == (2048, model.config.hidden_size // 2)
     assert describe_draft_head(cheap.params, 4096) == "int4 copy of the LM head, 2000 hot ids of 4096"
-    assert describe_draft_head(model.params, 4096) == "int8 copy of the LM head, all 4096 ids"
+    assert describe_draft_head(model.params, 4096) == "int8 copy of the LM head, all 4096 ids"  # the CPU's default
     prompt = "class Queue:\n    def __init__(self):"
     plain = jaxmtp.generate(model, prompt, max_new_tokens=40, num_draft_tokens=0, ignore_eos=True)
     spec = jaxmtp.generate(cheap, prompt, max_new_tokens=40, num_draft_tokens=3, ignore_eos=True)

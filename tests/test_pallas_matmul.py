@@ -1,7 +1,8 @@
 """Few-row matmul kernels (GPU Triton variants, run by the Pallas interpreter) against a float64 numpy product:
 row counts that are not powers of two, W stored [K, N] or [N, K], split K, float32 and bf16 operands, float32 output
 from bf16 operands; the multiply-add kernel with int8 and packed int4 weights and both ways of widening them; the
-dispatcher's fallbacks; and a small model whose projections run through the kernel.
+dispatcher's fallbacks; the dp4a kernel for int4 weights and int8 rows (its instruction emulated by the interpreter,
+checked here against a numpy definition); and a small model whose projections run through the kernel.
 
 The interpreter fills output buffers with NaN before the kernel runs, so unwritten elements fail the check.
 """
@@ -17,8 +18,9 @@ import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import gemv_matmul_triton, linear, matmul_reference, skinny_matmul_triton
-from jaxmtp.pallas.matmul.reference import unpack_int4
+from jaxmtp.pallas.matmul.reference import int4_words, quantize_rows_int8, unpack_int4
 from jaxmtp.pallas.matmul.skinny_triton import plan
+from jaxmtp.pallas.matmul.w4a8_triton import dp4a, w4a8_matmul_triton
 
 from test_pallas_model import small_config
 
@@ -81,6 +83,39 @@ def test_gemv_kernel_widens_int8_and_int4_exactly(rng, m, unpack):
         gemv_matmul_triton(x, q8.T, interpret=True)  # quantised weights are read transposed only
     with pytest.raises(ValueError, match="unsupported gemv"):
         gemv_matmul_triton(jnp.ones((5, k), jnp.bfloat16), q8, transpose_w=True, interpret=True)  # > 4 rows
+
+
+def test_dp4a_emulation_matches_its_definition(rng):
+    """PTX dp4a.u32.s32: c + sum over the four bytes of a (unsigned) times those of b (signed), wrapping in int32."""
+    a, b = (rng.integers(-2**31, 2**31, 4096, dtype=np.int64).astype(np.int32) for _ in range(2))
+    c = rng.integers(-2**31, 2**31 - 2**18, 4096, dtype=np.int64).astype(np.int32)
+    got = np.asarray(dp4a(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), interpret=True))
+    prod = a.view(np.uint8).reshape(-1, 4).astype(np.int64) * b.view(np.int8).reshape(-1, 4).astype(np.int64)
+    want = (c.astype(np.int64) + prod.sum(1) + 2**31) % 2**32 - 2**31
+    np.testing.assert_array_equal(got, want.astype(np.int32))
+
+
+@pytest.mark.parametrize("m,k,n,bn,bw", [(1, 256, 48, 16, 16), (3, 512, 64, 32, 32), (8, 384, 16, 16, 16),
+                                         (2, 1024, 96, 32, 64)])
+def test_w4a8_kernel_matches_float64(rng, m, k, n, bn, bw):
+    x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), jnp.bfloat16)
+    packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)  # any byte: nibbles 0..15, minus 8
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    y = w4a8_matmul_triton(x, int4_words(packed), scale, block_n=bn, words_per_step=bw, interpret=True)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    xq, rs = quantize_rows_int8(x)
+    x64 = np.asarray(x, np.float64)
+    rs64 = np.abs(x64).max(1) / 127
+    np.testing.assert_allclose(np.asarray(rs, np.float64), rs64, rtol=1e-6)
+    assert np.all(np.abs(np.asarray(xq, np.float64) * rs64[:, None] - x64) <= rs64[:, None] * (0.5 + 1e-5))
+    assert np.abs(np.asarray(xq, np.int32)).max() == 127
+    want = (np.asarray(xq, np.float64) @ np.asarray(unpack_int4(packed), np.float64).T) * rs64[:, None] * np.asarray(
+        scale, np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="unsupported w4a8"):
+        w4a8_matmul_triton(jnp.ones((9, k), jnp.bfloat16), int4_words(packed), scale, interpret=True)  # > 8 rows
+    with pytest.raises(ValueError, match="do not divide"):
+        w4a8_matmul_triton(x, int4_words(packed), scale, words_per_step=24, interpret=True)
 
 
 def test_default_plan_and_leading_axes(rng):

@@ -15,8 +15,8 @@ from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_p
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import quantized_linear
 from jaxmtp.pallas.matmul.reference import unpack_int4
-from jaxmtp.param_layout import (add_draft_head, fuse_projections, native_layout, quantize_rows, quantize_rows_int4,
-                                 serving_layout)
+from jaxmtp.param_layout import (add_draft_head, default_draft_head_bits, fuse_projections, native_layout,
+                                 quantize_rows, quantize_rows_int4, serving_layout)
 
 
 def _config(moe: bool) -> Qwen35Config:
@@ -153,10 +153,15 @@ def test_int4_packing_matches_a_float64_quantiser(rng):
 
 @pytest.mark.parametrize("m,k,n", [(1, 256, 96), (3, 640, 512), (5, 1024, 48)])
 def test_int4_product_kernel_matches_float64(rng, m, k, n):
+    """An int4 head multiplies the rows quantised to int8 per row, exactly, on every path: the reference, the dp4a
+    kernel (up to 4 rows) and the tensor-core kernel (5 rows)."""
     packed, scale = quantize_rows_int4(rng.standard_normal((n, k)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    deq = np.asarray(unpack_int4(jnp.asarray(packed)), np.float64) * scale[:, None].astype(np.float64)
-    want = np.asarray(x, np.float64) @ deq.T
+    x64 = np.asarray(x, np.float64)
+    rs = np.abs(x64).max(1) / 127
+    xq = np.clip(np.round(x64 / rs[:, None]), -127, 127)
+    want = (xq @ np.asarray(unpack_int4(jnp.asarray(packed)), np.float64).T) * rs[:, None] * scale[None].astype(
+        np.float64)
     for impl in ("xla", "triton_interpret"):
         got = quantized_linear(x, jnp.asarray(packed), jnp.asarray(scale), implementation=impl)
         assert got.dtype == jnp.float32 and got.shape == (m, n)
@@ -173,7 +178,26 @@ def test_int4_draft_head_stays_within_its_error_bound(rng):
     h = jnp.asarray(rng.standard_normal((400, cfg.hidden_size)), jnp.float32)
     exact = np.asarray(draft_head({k: v for k, v in params.items() if k != "draft_head"}, h), np.float64)
     got = np.asarray(draft_head(params, h, Backend(draft_head="triton_interpret")), np.float64)
-    bound = np.abs(np.asarray(h, np.float64)).sum(1)[:, None] * np.asarray(dh["scale"])[None] / 2
+    # weights rounded to q * s (|error| <= s / 2) and rows to xq * r (|error| <= r / 2, r = max|h| / 127):
+    # |error| <= s / 2 * sum_k |h_k| + r / 2 * sum_k |q_k| s
+    s = np.asarray(dh["scale"], np.float64)[None]
+    h64 = np.asarray(h, np.float64)
+    q_abs = np.abs(np.asarray(unpack_int4(dh["weight"]), np.float64)).sum(1)[None]
+    bound = s / 2 * np.abs(h64).sum(1)[:, None] + (np.abs(h64).max(1)[:, None] / 127) / 2 * q_abs * s
     assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
     with pytest.raises(ValueError, match="4 or 8"):
         add_draft_head({"embed_tokens": native["lm_head"].T}, bits=2)
+
+
+def test_default_draft_head_is_int4_where_the_gpu_kernel_reads_it():
+    gpu = Backend(draft_head="triton")
+    assert default_draft_head_bits(2560, gpu) == 4
+    assert default_draft_head_bits(64, gpu) == 8  # not a whole int4 block
+    assert default_draft_head_bits(2560, XLA) == 8 and default_draft_head_bits(2560) == 8  # CPU / TPU: no kernel
+    cfg = _config(False).replace(hidden_size=128)
+    for backend, dtype in [(gpu, jnp.uint8), (XLA, jnp.int8)]:
+        params = serving_layout(init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1), backend=backend)
+        assert params["draft_head"]["weight"].dtype == dtype
+    params = serving_layout(init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1), backend=gpu,
+                            draft_head_bits=8)
+    assert params["draft_head"]["weight"].dtype == jnp.int8

@@ -25,7 +25,7 @@ class Backend:
     gdn_recurrent: str = "xla"
     moe: str = "xla"
     matmul: str = "xla"  # projections (jaxmtp.pallas.matmul.linear): the kernel serves few-row products only
-    draft_head: str = "xla"  # the int8 draft head's product (jaxmtp.pallas.matmul.quantized_linear)
+    draft_head: str = "xla"  # the quantised draft head's product (jaxmtp.pallas.matmul.quantized_linear)
     norm: str = "xla"  # residual add + the next RMSNorm between blocks (jaxmtp.pallas.norms.add_rms_norm)
     gdn_mixer: str = "xla"  # conv + gates + rule of a decode/verify step in one kernel (serving layout only)
 

@@ -42,7 +42,7 @@ def random_config(name: str) -> Qwen35Config:
 
 
 def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True,
-                 draft_vocab: int | None = None, draft_head_bits: int = 8) -> Model:
+                 draft_vocab: int | None = None, draft_head_bits: int | None = None) -> Model:
     """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
     serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`). ``draft_vocab``: a hot draft
     vocabulary of that many ids (the first ones: with random weights, which ids are hot does not matter; for step
@@ -51,6 +51,7 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
     dtype = jnp.dtype(dtype)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
     ids = None if draft_vocab is None else read_draft_vocab(np.arange(draft_vocab), cfg.vocab_size)
-    params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits)
-    return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
-                 backend=resolve_backend(backend, cfg, dtype))
+    backend = resolve_backend(backend, cfg, dtype)
+    params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits,
+                            backend=backend)
+    return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype, backend=backend)

@@ -2,8 +2,8 @@
 
 ``linear(x, w, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` / ``"triton_interpret"`` run
 :func:`skinny_matmul_triton` for products of at most ``KERNEL_MAX_ROWS`` rows whose weight is large enough to matter
-(>= 2^20 elements), else the reference. ``quantized_linear`` is the int8 draft head's product. TPU names run the
-reference: XLA's TPU matmuls have no measured problem here (no TPU is available to measure one).
+(>= 2^20 elements), else the reference. ``quantized_linear`` is the quantised (int8 or int4) draft head's product.
+TPU names run the reference: XLA's TPU matmuls have no measured problem here (no TPU is available to measure one).
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ import math
 import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul.reference import matmul_reference, quantized4_matmul_reference, quantized_matmul_reference
+from jaxmtp.pallas.matmul.reference import (int4_words, matmul_reference, quantize_rows_int8,
+                                            quantized4_matmul_reference, quantized_matmul_reference,
+                                            w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
+from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
+from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
 # Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
@@ -27,6 +31,10 @@ KERNEL_MAX_ROWS = 1
 # took 231 us as int8 against 249 us with the tensor-core kernel, and 208 against 211 us as int4
 # (docs/performance.md, run 9). With more rows each row repeats the multiply-adds: the tensor-core kernel.
 GEMV_MAX_ROWS = 1
+# An int4 head's product of up to this many rows runs the dp4a kernel (rows quantised to int8): on an H100 the 4B
+# head took 127 / 179 / 195 / 303 us for 1 / 2 / 4 / 8 rows against 211-218 us with the tensor-core kernel
+# (docs/performance.md, run 10).
+W4A8_MAX_ROWS = 4
 
 
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
@@ -41,23 +49,34 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 
 
 def quantized_linear(x, q, scale, *, implementation: str = "xla"):
-    """``(x @ q^T) * scale`` as float32 [..., N]: x [..., K]; q [N, K] int8, or int4 packed as uint8 [N, K/2]
-    (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`), with per-row ``scale [N]`` (the draft head,
-    :mod:`jaxmtp.param_layout`). ``"triton"`` streams the quantised weight for up to ``MAX_ROWS`` rows (the slots of a
-    draft step; one row with :mod:`.gemv_triton`, more with :mod:`.skinny_triton`); more rows, or other names, run
-    the reference."""
+    """The draft head's product as float32 [..., N]: x [..., K]; per-row ``scale [N]``; ``q`` int8 [N, K] (result
+    ``(x @ q^T) * scale``) or int4 packed as uint8 [N, K/2] (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`).
+    An int4 head multiplies the rows quantised to int8 (:func:`jaxmtp.pallas.matmul.reference.w4a8_matmul_reference`:
+    ``(xq @ q^T) * row_scale * scale``, the integer sums exact) on every path, so that every backend and row count
+    drafts alike. ``"triton"`` streams the quantised weight: one int8 row with :mod:`.gemv_triton`, up to
+    ``W4A8_MAX_ROWS`` int4 rows with :mod:`.w4a8_triton`, else up to ``MAX_ROWS`` rows with :mod:`.skinny_triton`
+    (int4: the int8 rows as bfloat16, exact); more rows, or other names, run the reference."""
     n = q.shape[0]
     int4 = q.dtype == jnp.uint8
-    rows = math.prod(x.shape[:-1])
+    lead, kdim = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
     interpret = implementation == TRITON_INTERPRET
-    if (implementation in (TRITON, TRITON_INTERPRET) and rows <= GEMV_MAX_ROWS
-            and gemv_supports(rows, x.shape[-1], n, True, q.dtype)):
+    kernel = implementation in (TRITON, TRITON_INTERPRET)
+    if int4:
+        if kernel and rows <= W4A8_MAX_ROWS and w4a8_supports(rows, kdim, n):
+            return w4a8_matmul_triton(x, int4_words(q), scale, interpret=interpret)
+        if kernel and supports(rows, kdim, n, int4=True):
+            xq, rs = quantize_rows_int8(x.reshape(rows, kdim))
+            y = skinny_matmul_triton(xq.astype(x.dtype), q, transpose_w=True, out_dtype="float32", interpret=interpret)
+            return (y * rs[:, None] * scale).reshape(*lead, n)
+        return w4a8_matmul_reference(x, q, scale)
+    if kernel and rows <= GEMV_MAX_ROWS and gemv_supports(rows, kdim, n, True, q.dtype):
         return gemv_matmul_triton(x, q, transpose_w=True, interpret=interpret) * scale
-    if implementation in (TRITON, TRITON_INTERPRET) and supports(rows, x.shape[-1], n, int4=int4):
-        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", interpret=interpret)
-        return y * scale
-    return (quantized4_matmul_reference if int4 else quantized_matmul_reference)(x, q, scale)
+    if kernel and supports(rows, kdim, n):
+        return skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", interpret=interpret) * scale
+    return quantized_matmul_reference(x, q, scale)
 
 
 __all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "quantized4_matmul_reference",
-           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports"]
+           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports",
+           "w4a8_matmul_reference", "w4a8_matmul_triton"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxmtp.precision import einsum_f32
 
@@ -42,3 +43,33 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 def quantized4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """``(x @ q^T) * scale`` in float32 for int4 ``q`` packed as uint8 [N, K/2] (:func:`unpack_int4`)."""
     return quantized_matmul_reference(x, unpack_int4(packed), scale)
+
+
+def as_words(b: jax.Array) -> jax.Array:
+    """Bytes [..., K] (int8 or uint8) as little-endian int32 words [..., K/4]: byte j of word w is
+    ``b[..., 4 w + j]``."""
+    return lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4), jnp.int32)
+
+
+def int4_words(packed: jax.Array) -> jax.Array:
+    """The packed int4 head uint8 [N, K/2] (:func:`unpack_int4`) as int32 [N, K/8], the layout of
+    :mod:`jaxmtp.pallas.matmul.w4a8_triton`."""
+    return as_words(packed)
+
+
+def quantize_rows_int8(x: jax.Array):
+    """Symmetric dynamic int8 per row: x [m, K] -> (q int8 [m, K], scale float32 [m]) with x ~= q * scale."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def w4a8_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """``(xq @ q^T) * row_scale * scale`` in float32 for x [..., K] quantised per row to int8
+    (:func:`quantize_rows_int8`) and int4 ``q`` packed as uint8 [N, K/2]: the integer sum exact (int32)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, rs = quantize_rows_int8(x.reshape(-1, k))
+    acc = lax.dot_general(xq, unpack_int4(packed), (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * rs[:, None] * scale
+    return y.reshape(*lead, -1)
