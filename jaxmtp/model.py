@@ -9,7 +9,7 @@ function; with ``step_states=True`` the GDN entries of the returned carry are :c
 the window's rule inputs), from which :func:`jaxmtp.layers.gated_deltanet.select_step` commits an accepted prefix.
 
 Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout
-of :mod:`jaxmtp.param_layout` fuses some projections and adds an int8 ``draft_head``)::
+of :mod:`jaxmtp.param_layout` fuses some projections and adds a quantised ``draft_head``)::
 
     embed_tokens [V, H], norm [H], lm_head [H, V] (absent when tied), layers: list of
       {input_layernorm, post_attention_layernorm, self_attn | linear_attn, mlp}

@@ -29,6 +29,7 @@ import numpy as np
 from jaxmtp.config import ConfigError
 from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
+from jaxmtp.pallas._common import TRITON
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
@@ -142,7 +143,7 @@ def default_draft_head_bits(hidden_size: int, backend=None) -> int:
     checkpoint was reachable to measure it there). Without the kernel (CPU, TPU) the int4 product unpacks the head
     on every call, no cheaper than int8's conversion, so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
     choose either."""
-    kernel = backend is not None and backend.draft_head == "triton"
+    kernel = backend is not None and backend.draft_head == TRITON
     return 4 if kernel and hidden_size % INT4_BLOCK == 0 else 8
 
 
@@ -159,9 +160,9 @@ def check_draft_head_options(draft_head: bool, draft_head_bits: int | None) -> N
 def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
                    draft_head_bits: int | None = None, backend=None) -> dict:
     """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to
-    ``draft_head_bits``, default :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token ids,
-    :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are refused
-    first (:func:`check_draft_head_options`)."""
+    ``draft_head_bits``, default :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token
+    ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are
+    refused first (:func:`check_draft_head_options`)."""
     check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):

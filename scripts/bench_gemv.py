@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from bench_norm_chain import best_time  # noqa: E402
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton  # noqa: E402
-from jaxmtp.pallas.matmul.reference import int4_words, unpack_int4, w4a8_matmul_reference  # noqa: E402
+from jaxmtp.pallas.matmul.reference import as_words, unpack_int4, w4a8_matmul_reference  # noqa: E402
 from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton  # noqa: E402
 from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
@@ -60,6 +61,24 @@ def check(rng) -> dict:
     return out
 
 
+def sweep_tilings(time_tiling, grid: dict, nbytes: int, label: dict, keep=lambda kw: True) -> list:
+    """Time every combination of ``grid`` (keyword -> values) that ``keep`` accepts with ``time_tiling(kw)``
+    (seconds); a tiling that does not compile is recorded with its error. Prints the fastest; returns the rows."""
+    rows = []
+    for values in itertools.product(*grid.values()):
+        kw = dict(zip(grid, values))
+        if not keep(kw):
+            continue
+        try:
+            t = time_tiling(kw)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+            rows.append({**label, **kw, "error": str(e)[:160]})
+            continue
+        rows.append({**label, **kw, "us": t * 1e6, "TBps": nbytes / t / 1e12})
+    print("best", min((r for r in rows if "us" in r), key=lambda r: r["us"]), flush=True)
+    return rows
+
+
 def time_head(x, w, sweep: bool) -> dict:
     out = {}
     quants = {"int8": quantize_rows(w)[0], "int4": quantize_rows_int4(w)[0]}
@@ -75,24 +94,13 @@ def time_head(x, w, sweep: bool) -> dict:
     if sweep:
         rows = []
         for name, q in quants.items():
-            nbytes = q.size * q.dtype.itemsize
-            grid = ((16, 32, 64, 128), (128,), (2, 4, 8), (2, 3, 4)) if name == "int4" else (
-                (8, 16, 32), (128, 256), (4, 8), (3, 4))
-            for bn in grid[0]:
-                for bk in grid[1]:
-                    for nw in grid[2]:
-                        for st in grid[3]:
-                            kw = dict(block_n=bn, block_k=bk, splits=1, num_warps=nw, num_stages=st)
-                            row = {"w": name, **kw}
-                            f = jax.jit(lambda x, q, kw=kw: gemv_matmul_triton(x, q, transpose_w=True, **kw))
-                            try:
-                                t = best_time(f, x, q, reps=50)
-                            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
-                                rows.append({**row, "error": str(e)[:160]})
-                                continue
-                            rows.append({**row, "us": t * 1e6, "TBps": nbytes / t / 1e12})
-            best = min((r for r in rows if "us" in r and r["w"] == name), key=lambda r: r["us"])
-            print("best", best, flush=True)
+            grid = dict(block_n=(16, 32, 64, 128), block_k=(128,), splits=(1,), num_warps=(2, 4, 8),
+                        num_stages=(2, 3, 4)) if name == "int4" else dict(
+                block_n=(8, 16, 32), block_k=(128, 256), splits=(1,), num_warps=(4, 8), num_stages=(3, 4))
+            rows += sweep_tilings(
+                lambda kw, q=q: best_time(jax.jit(lambda x, q: gemv_matmul_triton(x, q, transpose_w=True, **kw)),
+                                          x, q, reps=50),
+                grid, q.size * q.dtype.itemsize, {"w": name})
         out["sweep"] = rows
     return out
 
@@ -107,7 +115,7 @@ def check_w4a8(rng, x_head, w_head) -> dict:
             1 + jnp.arange(m, dtype=jnp.bfloat16)[:, None])
         q, s = quantize_rows_int4(w)
         want = np.asarray(w4a8_matmul_reference(x, q, s), np.float64)
-        got = np.asarray(w4a8_matmul_triton(x, int4_words(q), s), np.float64)
+        got = np.asarray(w4a8_matmul_triton(x, as_words(q), s), np.float64)
         out[f"{m}x{k}x{n}"] = float(np.abs(got - want).max() / np.abs(want).max())
     print("check w4a8", out, flush=True)
     return out
@@ -120,12 +128,12 @@ def time_w4a8(x, w, sweep: bool) -> dict:
     out = {}
     q4, s4 = quantize_rows_int4(w)
     q8, _ = quantize_rows(w)
-    words = int4_words(q4)
+    words = as_words(q4)
     nbytes = q4.size
     for m in (1, 2, 4, 8):
         xm = jnp.tile(x, (m, 1))
         fns = {"w4a8": (lambda x, q, s: w4a8_matmul_triton(x, q, s), words),
-               "w4a8_words_view": (lambda x, q, s: w4a8_matmul_triton(x, int4_words(q), s), q4),
+               "w4a8_words_view": (lambda x, q, s: w4a8_matmul_triton(x, as_words(q), s), q4),
                "int4_gemv": (lambda x, q, s: gemv_matmul_triton(x, q, transpose_w=True) * s, q4),
                "int4_skinny": (lambda x, q, s: skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32") * s,
                                q4),
@@ -139,26 +147,11 @@ def time_w4a8(x, w, sweep: bool) -> dict:
             out[f"{name}_rows{m}_us"] = t * 1e6
             print("rows", m, name, round(t * 1e6, 1), "us", round(q.size * q.dtype.itemsize / t / 1e12, 2), "TB/s",
                   flush=True)
-    if sweep:
-        rows = []
-        for m in (1,):
-            xm = jnp.tile(x, (m, 1))
-            for bn in (16, 32, 64):
-                for bw in (16, 32):
-                    for nw in (4, 8):
-                        for st in (2, 4):
-                            kw = dict(block_n=bn, words_per_step=bw, num_warps=nw, num_stages=st)
-                            row = {"rows": m, **kw}
-                            f = jax.jit(lambda x, q, s, kw=kw: w4a8_matmul_triton(x, q, s, **kw))
-                            try:
-                                t = best_time(f, xm, words, s4, reps=250)
-                            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
-                                rows.append({**row, "error": str(e)[:160]})
-                                continue
-                            rows.append({**row, "us": t * 1e6, "TBps": nbytes / t / 1e12})
-            best = min((r for r in rows if "us" in r and r["rows"] == m), key=lambda r: r["us"])
-            print("best w4a8", best, flush=True)
-        out["sweep"] = rows
+    if sweep:  # one row
+        out["sweep"] = sweep_tilings(
+            lambda kw: best_time(jax.jit(lambda x, q, s: w4a8_matmul_triton(x, q, s, **kw)), x, words, s4, reps=250),
+            dict(block_n=(16, 32, 64), words_per_step=(16, 32), num_warps=(4, 8), num_stages=(2, 4)), nbytes,
+            {"rows": 1})
     return out
 
 
@@ -181,22 +174,11 @@ def time_blocks(sweep: bool) -> dict:
         res["gemv_us"], res["gemv_TBps"] = t * 1e6, nbytes / t / 1e12
         print(name, {a: round(b, 2) for a, b in res.items()}, flush=True)
         if sweep:
-            rows = []
-            for bn in (32, 64, 128):
-                for bk in (32, 64):
-                    for ns in (1, 2, 4):
-                        if n % bn or k % (bk * ns) or k % 128:
-                            continue
-                        kw = dict(block_n=bn, block_k=bk, splits=ns, num_warps=4, num_stages=4)
-                        try:
-                            t = timed(lambda x, w, kw=kw: gemv_matmul_triton(x, w, **kw))
-                        except Exception as e:  # noqa: BLE001
-                            rows.append({**kw, "error": str(e)[:160]})
-                            continue
-                        rows.append({**kw, "us": t * 1e6, "TBps": nbytes / t / 1e12})
-            res["sweep"] = rows
-            best = min((r for r in rows if "us" in r), key=lambda r: r["us"])
-            print("best", name, best, flush=True)
+            res["sweep"] = sweep_tilings(
+                lambda kw: timed(lambda x, w: gemv_matmul_triton(x, w, **kw)),  # called here, in this iteration
+                dict(block_n=(32, 64, 128), block_k=(32, 64), splits=(1, 2, 4), num_warps=(4,), num_stages=(4,)),
+                nbytes, {"block": name},
+                keep=lambda kw, n=n, k=k: not (n % kw["block_n"] or k % (kw["block_k"] * kw["splits"]) or k % 128))
         out[name] = res
     return out
 

@@ -18,7 +18,7 @@ import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import gemv_matmul_triton, linear, matmul_reference, skinny_matmul_triton
-from jaxmtp.pallas.matmul.reference import int4_words, quantize_rows_int8, unpack_int4
+from jaxmtp.pallas.matmul.reference import as_words, quantize_rows_int8, unpack_int4
 from jaxmtp.pallas.matmul.skinny_triton import plan
 from jaxmtp.pallas.matmul.w4a8_triton import dp4a, w4a8_matmul_triton
 
@@ -101,7 +101,7 @@ def test_w4a8_kernel_matches_float64(rng, m, k, n, bn, bw):
     x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), jnp.bfloat16)
     packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)  # any byte: nibbles 0..15, minus 8
     scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
-    y = w4a8_matmul_triton(x, int4_words(packed), scale, block_n=bn, words_per_step=bw, interpret=True)
+    y = w4a8_matmul_triton(x, as_words(packed), scale, block_n=bn, words_per_step=bw, interpret=True)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     xq, rs = quantize_rows_int8(x)
     x64 = np.asarray(x, np.float64)
@@ -113,9 +113,9 @@ def test_w4a8_kernel_matches_float64(rng, m, k, n, bn, bw):
         scale, np.float64)
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
     with pytest.raises(ValueError, match="unsupported w4a8"):
-        w4a8_matmul_triton(jnp.ones((9, k), jnp.bfloat16), int4_words(packed), scale, interpret=True)  # > 8 rows
+        w4a8_matmul_triton(jnp.ones((9, k), jnp.bfloat16), as_words(packed), scale, interpret=True)  # > 8 rows
     with pytest.raises(ValueError, match="do not divide"):
-        w4a8_matmul_triton(x, int4_words(packed), scale, words_per_step=24, interpret=True)
+        w4a8_matmul_triton(x, as_words(packed), scale, words_per_step=24, interpret=True)
 
 
 def test_default_plan_and_leading_axes(rng):

@@ -70,9 +70,8 @@ class MemoryPlan:
 def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16,
                 weights: int | None = None) -> MemoryPlan:
     """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens.
-    ``weights``: the params' bytes if known (the serving layout's quantised draft head adds V x H / 2 as
-    int4, V x H as int8); else the native
-    layout's, from the config."""
+    ``weights``: the params' bytes if known (the serving layout's quantised draft head adds V x H / 2 as int4, V x H
+    as int8); else the native layout's, from the config."""
     b = jnp.dtype(dtype).itemsize
     capacity = max_context + k
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)

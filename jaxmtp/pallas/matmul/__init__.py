@@ -13,8 +13,7 @@ import math
 import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul.reference import (int4_words, matmul_reference, quantize_rows_int8,
-                                            quantized4_matmul_reference, quantized_matmul_reference,
+from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize_rows_int8, quantized_matmul_reference,
                                             w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
@@ -27,12 +26,12 @@ MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) sta
 # kernel fixes XLA's slow single-row products (batch-1 decode 7.8 -> 1.8 ms), but with 8-32 rows it was 5-10% slower
 # than XLA's gemms.
 KERNEL_MAX_ROWS = 1
-# The quantised draft head's one-row product (a batch-1 draft) runs the multiply-add kernel: on an H100 the 4B head
-# took 231 us as int8 against 249 us with the tensor-core kernel, and 208 against 211 us as int4
-# (docs/performance.md, run 9). With more rows each row repeats the multiply-adds: the tensor-core kernel.
+# An int8 head's one-row product (a batch-1 draft) runs the multiply-add kernel: on an H100 the 4B head took 231 us
+# against 249 us with the tensor-core kernel (docs/performance.md, run 9). With more rows each row repeats the
+# multiply-adds: the tensor-core kernel. (An int4 head goes to the dp4a kernel below instead.)
 GEMV_MAX_ROWS = 1
 # An int4 head's product of up to this many rows runs the dp4a kernel (rows quantised to int8): on an H100 the 4B
-# head took 127 / 179 / 195 / 303 us for 1 / 2 / 4 / 8 rows against 211-218 us with the tensor-core kernel
+# head took 119 / 136 / 173 / 325 us for 1 / 2 / 4 / 8 rows against 212-217 us with the tensor-core kernel
 # (docs/performance.md, run 10).
 W4A8_MAX_ROWS = 4
 
@@ -64,7 +63,7 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     kernel = implementation in (TRITON, TRITON_INTERPRET)
     if int4:
         if kernel and rows <= W4A8_MAX_ROWS and w4a8_supports(rows, kdim, n):
-            return w4a8_matmul_triton(x, int4_words(q), scale, interpret=interpret)
+            return w4a8_matmul_triton(x, as_words(q), scale, interpret=interpret)
         if kernel and supports(rows, kdim, n, int4=True):
             xq, rs = quantize_rows_int8(x.reshape(rows, kdim))
             y = skinny_matmul_triton(xq.astype(x.dtype), q, transpose_w=True, out_dtype="float32", interpret=interpret)
@@ -77,6 +76,6 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return quantized_matmul_reference(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "quantized4_matmul_reference",
-           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports",
-           "w4a8_matmul_reference", "w4a8_matmul_triton"]
+__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "quantized_linear",
+           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "w4a8_matmul_reference",
+           "w4a8_matmul_triton"]

@@ -40,21 +40,11 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-1).reshape(n, half * 2).astype(jnp.int8)
 
 
-def quantized4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """``(x @ q^T) * scale`` in float32 for int4 ``q`` packed as uint8 [N, K/2] (:func:`unpack_int4`)."""
-    return quantized_matmul_reference(x, unpack_int4(packed), scale)
-
-
 def as_words(b: jax.Array) -> jax.Array:
-    """Bytes [..., K] (int8 or uint8) as little-endian int32 words [..., K/4]: byte j of word w is
-    ``b[..., 4 w + j]``."""
+    """Bytes [..., K] (int8 or uint8) as little-endian int32 words [..., K/4]: byte j of word w is ``b[..., 4 w + j]``
+    (a free bitcast on the GPU). The packed int4 head [N, K/2] becomes the words [N, K/8] that
+    :mod:`jaxmtp.pallas.matmul.w4a8_triton` reads."""
     return lax.bitcast_convert_type(b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4), jnp.int32)
-
-
-def int4_words(packed: jax.Array) -> jax.Array:
-    """The packed int4 head uint8 [N, K/2] (:func:`unpack_int4`) as int32 [N, K/8], the layout of
-    :mod:`jaxmtp.pallas.matmul.w4a8_triton`."""
-    return as_words(packed)
 
 
 def quantize_rows_int8(x: jax.Array):

@@ -11,7 +11,7 @@ eight 4-bit values, one ``AND`` (and one shift) give two words of four unsigned 
 
 Weight: the draft head's int4 layout (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`: in each 128-wide block
 of K, byte j holds column j in its low nibble and column 64 + j in its high one, as q + 8) read as little-endian
-int32 words ``[N, K/8]`` (:func:`int4_words`): word w of block b holds columns ``128 b + 4 w .. + 3`` in its low
+int32 words ``[N, K/8]`` (:func:`as_words`): word w of block b holds columns ``128 b + 4 w .. + 3`` in its low
 nibbles and ``128 b + 64 + 4 w .. + 3`` in its high ones, byte by byte, so the row's int8 values, read as words, pair
 with them unpermuted (``x_lo`` / ``x_hi``: the row's words for each block's two halves).
 
@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import next_pow2
-from jaxmtp.pallas.matmul.reference import INT4_BLOCK, as_words, int4_words, quantize_rows_int8
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK, as_words, quantize_rows_int8
 
 MAX_ROWS = 8  # each row repeats the dp4a of every word: a few rows only
 WORDS_PER_BLOCK = INT4_BLOCK // 8  # int32 words per row of one packing block
@@ -92,7 +92,7 @@ def _kernel(xlo_ref, xhi_ref, rs_ref, rsum_ref, w_ref, scale_ref, o_ref, *, m, b
 @functools.partial(jax.jit, static_argnames=("block_n", "words_per_step", "num_warps", "num_stages", "interpret"))
 def w4a8_matmul_triton(x, words, scale, *, block_n=None, words_per_step=None, num_warps=None, num_stages=None,
                        interpret=False):
-    """x [..., K] (1-8 rows); ``words`` int32 [N, K/8] (:func:`int4_words` of the packed head); ``scale`` float32 [N].
+    """x [..., K] (1-8 rows); ``words`` int32 [N, K/8] (:func:`as_words` of the packed head); ``scale`` float32 [N].
     Returns ``(quantize_rows_int8(x) @ q^T) * scale`` as float32 [..., N]."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), words.shape[0]
@@ -127,4 +127,4 @@ def w4a8_matmul_triton(x, words, scale, *, block_n=None, words_per_step=None, nu
     return y[:m].reshape(*lead, n)
 
 
-__all__ = ["MAX_ROWS", "dp4a", "int4_words", "plan", "supports", "w4a8_matmul_triton"]
+__all__ = ["MAX_ROWS", "dp4a", "plan", "supports", "w4a8_matmul_triton"]
