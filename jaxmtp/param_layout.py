@@ -141,7 +141,8 @@ def default_draft_head_bits(hidden_size: int, backend=None) -> int:
     is 3-7% cheaper with the int4 head than with int8 (H100, 0.8B-27B shapes) and even from 8 slots up, while on the
     shipped default model the int4 drafts' acceptance length is 1.3% lower (3.20 against 3.24; no real Qwen3.5
     checkpoint was reachable to measure it there). Without the kernel (CPU, TPU) the int4 product unpacks the head
-    on every call, no cheaper than int8's conversion, so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
+    on every call, no cheaper than int8's conversion (slower at one row on the CPU:
+    scripts/bench_draft_head_reference.py), so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
     choose either."""
     kernel = backend is not None and backend.draft_head == TRITON
     return 4 if kernel and hidden_size % INT4_BLOCK == 0 else 8
