@@ -175,10 +175,11 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
         h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
-                                   implementation=backend.attention, matmul=backend.matmul)
+                                   implementation=backend.attention, matmul=backend.matmul,
+                                   prelude=backend.attention_prelude)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
-        y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions >= 0, carry, form=gdn_form,
+        y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
                                   step_states=step_states, implementation=impl, matmul=backend.matmul,
                                   mixer=backend.gdn_mixer)
     x, h = add_rms_norm(x, y, lp["post_attention_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)

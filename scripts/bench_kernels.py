@@ -355,7 +355,8 @@ def section_model():
                               num_experts_per_tok=8 if not sm else 2, moe_intermediate_size=256 if not sm else 32,
                               shared_expert_intermediate_size=256 if not sm else 32, moe_layers=(True,) * 4)
     kind = "triton_interpret" if sm else "triton"
-    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, moe=kind, matmul=kind)
+    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, moe=kind, matmul=kind, norm=kind,
+                      gdn_mixer=kind, attention_prelude=kind)
     for label, cfg in (("dense", dense), ("moe", moe)):
         if out_of_time("model"):
             return

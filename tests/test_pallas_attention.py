@@ -1,6 +1,7 @@
 """Cached-attention Pallas kernels (GPU Triton and TPU Mosaic variants, run by the Pallas interpreter) against the
 jnp reference: GQA ratios 1, 2, 3, per-row lengths, padding rows, decode/verify/prefill windows, split-K, a cache
-length that is no multiple of the kv block, stale rows past each position, float32 and bf16.
+length that is no multiple of the kv block, stale rows past each position, float32 and bf16. Then the fused
+gated-attention path (prelude and epilogue kernels around the Triton launch) against the jnp steps and the layer.
 
 The interpreters fill output buffers with NaN before the kernel runs, so unwritten elements fail the check.
 """
@@ -10,8 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmtp.pallas.attention import attention_reference, cached_attention
-from jaxmtp.pallas.attention.decode_triton import cached_attention_triton
+from jaxmtp.config import FULL, Qwen35Config
+from jaxmtp.layers.attention import KVCache, gated_attention
+from jaxmtp.layers.rope import rope_angles
+from jaxmtp.param_layout import fuse_projections
+from jaxmtp.pallas.attention import (attention_reference, cached_attention, fused_gated_attention,
+                                     output_gate_reference, prelude_reference, split_qkv)
+from jaxmtp.pallas.attention.decode_triton import cached_attention_triton, combine_splits, pack_queries, unpack_rows
+from jaxmtp.pallas.attention.prelude_triton import epilogue_triton, prelude_triton
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 
@@ -84,3 +91,135 @@ def test_kernels_lower_at_model_shapes(impl, platform, t):
     fn = lambda *a: cached_attention(*a, implementation=impl)  # noqa: E731
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert ("triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused gated attention: prelude + attention launch + epilogue
+# ---------------------------------------------------------------------------------------------------------------
+def assert_close(got, want, dtype, what):
+    """float32: tight; bf16: within one rounding step of the output (the kernels sum in another order)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), f"{what}: unwritten (NaN) or non-finite elements"
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
+
+
+def fused_inputs(rng, b, t, hq, hkv, d, rd, s, dtype, positions, pad_cols=0):
+    """Random fused projection (``pad_cols`` columns of zero padding), norms, RoPE tables and caches."""
+    proj = jnp.asarray(rng.standard_normal((b, t, 2 * (hq + hkv) * d + pad_cols)), dtype)
+    if pad_cols:
+        proj = proj.at[..., -pad_cols:].set(0)
+    q_norm, k_norm = (jnp.asarray(0.3 * rng.standard_normal(d), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(positions, jnp.int32)
+    cos, sin = rope_angles(jnp.maximum(pos, 0), rd, 10_000.0)
+    kc, vc = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype) for _ in range(2))
+    return proj, q_norm, k_norm, cos, sin, kc, vc, pos
+
+
+PRELUDE_CASES = [
+    # (t, hq, hkv, d, rotary_dim, dtype, positions): decode with an idle row, verify windows with padding tokens
+    (1, 4, 2, 32, 8, jnp.bfloat16, [[7], [-1]]),
+    (1, 6, 2, 16, 16, jnp.float32, [[0], [37]]),
+    (4, 6, 2, 32, 8, jnp.bfloat16, [[3, 4, 5, 6], [30, 31, -1, -1]]),
+    (4, 2, 2, 16, 4, jnp.float32, [[36, 37, 38, 39], [0, 1, 2, -1]]),
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,rd,dtype,positions", PRELUDE_CASES)
+def test_prelude_matches_reference(rng, t, hq, hkv, d, rd, dtype, positions):
+    b, s, mp = 2, 40, 16
+    args = fused_inputs(rng, b, t, hq, hkv, d, rd, s, dtype, positions, pad_cols=32)
+    kw = dict(hq=hq, hkv=hkv, d=d, eps=1e-6)
+    qr, pos, kc, vc = prelude_triton(*args, **kw, mp=mp, interpret=True)
+    q_ref, _, kc_ref, vc_ref = prelude_reference(*split_qkv(args[0], hq=hq, hkv=hkv, d=d), *args[1:], **kw)
+    qr_ref, pos_ref = pack_queries(q_ref, args[-1], hkv, mp)
+    assert qr.shape == qr_ref.shape and qr.dtype == dtype
+    assert_close(qr, qr_ref, dtype, "packed q")
+    np.testing.assert_array_equal(np.asarray(pos), np.asarray(pos_ref))
+    written = np.zeros((b, s), bool)
+    for row, p in zip(*np.nonzero(np.asarray(positions) >= 0)):
+        written[row, positions[row][p]] = True
+    for got, want, old, name in ((kc, kc_ref, args[5], "k cache"), (vc, vc_ref, args[6], "v cache")):
+        assert_close(got, want, dtype, name)
+        changed = (np.asarray(got, np.float32) != np.asarray(old, np.float32)).any(axis=(1, 3))
+        assert not (changed & ~written).any(), f"{name}: rows changed that no valid token writes"
+
+
+@pytest.mark.parametrize("n_split", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_epilogue_matches_combine_and_gate(rng, n_split, dtype):
+    b, t, hq, hkv, d, mp = 2, 3, 6, 2, 16, 16
+    proj = jnp.asarray(rng.standard_normal((b, t, 2 * (hq + hkv) * d)), dtype)
+    if n_split == 1:
+        outs = (jnp.asarray(rng.standard_normal((b, hkv, mp, d)), dtype),)
+        o = outs[0]
+    else:
+        m = rng.standard_normal((b, hkv, n_split, mp))
+        l = rng.uniform(0.5, 3.0, (b, hkv, n_split, mp))
+        m[..., 1, :], l[..., 1, :] = -1e30, 0.0  # a split that saw no kv block
+        m[0, 1, :, 5], l[0, 1, :, 5] = -1e30, 0.0  # a row that saw nothing at all
+        outs = tuple(jnp.asarray(a, jnp.float32) for a in (rng.standard_normal((b, hkv, n_split, mp, d)), m, l))
+        o = combine_splits(*outs)
+    y = epilogue_triton(outs, proj, hq=hq, d=d, interpret=True)
+    gate = proj[..., : hq * 2 * d].reshape(b, t, hq, 2 * d)[..., d:].reshape(b, t, hq * d)
+    want = output_gate_reference(unpack_rows(o, t, hq).astype(dtype), gate)
+    assert y.shape == want.shape and y.dtype == dtype
+    assert_close(y, want, dtype, "y")
+
+
+def attention_layer(rng, cfg, dtype):
+    """Random attention weights of ``cfg`` in the serving layout (fused ``qkv_proj``, zero-padded columns)."""
+    h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    w = lambda *shape: jnp.asarray(0.2 * rng.standard_normal(shape), dtype)  # noqa: E731
+    p = {"q_proj": w(h, hq * 2 * d), "k_proj": w(h, hkv * d), "v_proj": w(h, hkv * d), "o_proj": w(hq * d, h),
+         "q_norm": w(d), "k_norm": w(d)}
+    return fuse_projections(p)
+
+
+@pytest.mark.parametrize("t,dtype", [(1, jnp.float32), (4, jnp.bfloat16)])
+def test_gated_attention_with_fused_prelude_matches_xla(rng, t, dtype):
+    cfg = Qwen35Config(family="qwen3_5", vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, layer_types=(FULL,))
+    p = attention_layer(rng, cfg, dtype)
+    assert p["qkv_proj"].shape[1] % 128 == 0 and p["qkv_proj"].shape[1] > 2 * (4 + 2) * 16  # padded columns
+    b, s = 2, 24
+    x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), dtype)
+    positions = np.array([[5 + i for i in range(t)], [20 + i for i in range(t)]], np.int32)
+    positions[1, -1] = -1  # a padding token (t = 1: an idle row)
+    positions = jnp.asarray(positions)
+    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal((b, 2, s, 16)), dtype) for _ in range(2)))
+    y, got = gated_attention(p, cfg, x, positions, cos, sin, cache, implementation="triton_interpret",
+                             prelude="triton_interpret")
+    y_ref, want = gated_attention(p, cfg, x, positions, cos, sin, cache)
+    valid = np.asarray(positions) >= 0
+    assert_close(np.asarray(y, np.float32)[valid], np.asarray(y_ref, np.float32)[valid], dtype, "layer output")
+    assert_close(got.k, want.k, dtype, "k cache")
+    np.testing.assert_array_equal(np.asarray(got.v), np.asarray(want.v))
+
+
+@pytest.mark.parametrize("d,rd,s,t", [(12, 4, 10, 1), (32, 12, 24, 2), (16, 4, 40, 17)])
+def test_fused_gated_attention_falls_back(rng, d, rd, s, t):
+    """head_dim not a power of two (attention falls back too), rotary dim not a power of two, T > MAX_TOKENS."""
+    positions = np.arange(t)[None].repeat(2, 0) + np.array([[0], [s - t]])
+    args = fused_inputs(rng, 2, t, 4, 2, d, rd, s, jnp.float32, positions)
+    kw = dict(hq=4, hkv=2, d=d, eps=1e-6)
+    got = fused_gated_attention(*args, **kw, implementation="triton_interpret")
+    want = fused_gated_attention(*args, **kw, implementation="xla", attention="triton_interpret")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_fused_gated_attention_lowers_at_model_shapes(t):
+    """Qwen3.5 27B attention shapes (24/4 heads, head_dim 256, rotary dim 64, 32k cache) lower for CUDA: three
+    Triton launches (prelude, attention, epilogue)."""
+    sds = jax.ShapeDtypeStruct
+    b, hq, hkv, d, rd, s = 1, 24, 4, 256, 64, 32768
+    bf16 = jnp.bfloat16
+    args = (sds((b, t, 2 * (hq + hkv) * d), bf16), sds((d,), jnp.float32), sds((d,), jnp.float32),
+            sds((b, t, rd), jnp.float32), sds((b, t, rd), jnp.float32), sds((b, hkv, s, d), bf16),
+            sds((b, hkv, s, d), bf16), sds((b, t), jnp.int32))
+    fn = lambda *a: fused_gated_attention(*a, hq=hq, hkv=hkv, d=d, eps=1e-6, implementation="triton")  # noqa: E731
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3

@@ -12,6 +12,7 @@ import pytest
 
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
+    commit_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
@@ -68,6 +69,21 @@ def test_fused_recurrent_matches_reference(rng, impl, t, r, dtype, steps, init, 
     else:
         assert s.shape == s_ref.shape and s.dtype == jnp.float32
         assert_close(s, s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_commit_matches_reference_and_recurrent_kernel(rng, dtype):
+    """A verify window's commit (state only, no query, no read-out) against the float64-checked reference, and bit
+    for bit against the recurrent kernel's final state (the same per-token arithmetic: speculative decoding's
+    committed state must be the one plain decoding reaches); a row with uncommitted tokens (g = beta = 0)."""
+    (_, k, v, g, beta), s0 = make_inputs(rng, 2, 4, 2, 2, 16, 64, dtype, ((1, 2),))
+    got = commit_gated_delta_rule(k, v, g, beta, s0, implementation="triton_interpret")
+    _, want = naive_recurrent_gated_delta_rule(k, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
+    assert got.shape == s0.shape and got.dtype == jnp.float32
+    assert_close(got, want, 1e-5)
+    _, kernel = fused_recurrent_gated_delta_rule(k, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True,
+                                                 implementation="triton_interpret")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel))
 
 
 CHUNK_CASES = [
@@ -135,6 +151,10 @@ def test_kernels_lower_at_model_shapes(impl, platform):
     chunk = lambda q, k, v, g, beta, s: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s,  # noqa: E731
                                                                use_qk_l2norm_in_kernel=True, implementation=impl)
     custom = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
-    for text in (_lower(rec, platform, qk(4), qk(4), vv(4), gb(4), gb(4)),
-                 _lower(chunk, platform, qk(200), qk(200), vv(200), gb(200), gb(200), s0)):
+    texts = [_lower(rec, platform, qk(4), qk(4), vv(4), gb(4), gb(4)),
+             _lower(chunk, platform, qk(200), qk(200), vv(200), gb(200), gb(200), s0)]
+    if impl == "triton":  # the commit kernel is GPU-only (TPU commits with the recurrent kernel)
+        commit = lambda *a: commit_gated_delta_rule(*a, implementation=impl)  # noqa: E731
+        texts.append(_lower(commit, platform, qk(4), vv(4), gb(4), gb(4), s0))
+    for text in texts:
         assert custom in text or "triton_kernel_call" in text

@@ -13,6 +13,7 @@ from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
+from jaxmtp.param_layout import fuse_projections
 
 
 def small_config():
@@ -23,11 +24,17 @@ def small_config():
     )
 
 
-def test_model_with_kernels_matches_xla(rng):
+@pytest.mark.parametrize("layout", ["native", "fused"])
+def test_model_with_kernels_matches_xla(rng, layout):
+    """With fused projections (the serving layout) the one-kernel GDN mixer (its conv ring updated in place) and the
+    attention prelude / epilogue kernels run too."""
     kind = "triton_interpret"  # the GPU path; the TPU kernels are checked op by op (never picked automatically)
     cfg = small_config()
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.1)
     kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind)
+    if layout == "fused":
+        params = fuse_projections(params)
+        kernels = dataclasses.replace(kernels, gdn_mixer=kind, attention_prelude=kind, norm=kind)
     b, t0, cap = 2, 21, 32
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)
     pos = np.broadcast_to(np.arange(t0 + 5, dtype=np.int32), ids.shape).copy()

@@ -290,14 +290,33 @@ def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps:
     step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend)
     s = state.length.shape[0]
 
-    def idle(st):
-        return st, {"tokens": jnp.zeros((s, k + 1), jnp.int32), "n_emit": jnp.zeros((s,), jnp.int32),
-                    "accepted": jnp.zeros((s,), jnp.int32), "finished": jnp.zeros((s,), bool),
-                    "reason": jnp.zeros((s,), jnp.int32), "was_active": jnp.zeros((s,), bool)}
-
     def body(st, _):
         if not skip_idle:
-            return step(params, st)
-        return jax.lax.cond(jnp.any(st.active), lambda x: step(params, x), idle, st)
+            return _pack(step(params, st))
+        return jax.lax.cond(jnp.any(st.active), lambda x: _pack(step(params, x)),
+                            lambda x: (x, jnp.zeros((s, k + 1 + len(_ROW_OUTPUTS)), jnp.int32)), st)
 
-    return jax.lax.scan(body, state, None, length=num_steps, unroll=unroll)
+    state, packed = jax.lax.scan(body, state, None, length=num_steps, unroll=unroll)
+    return state, _unpack_outputs(packed, k)
+
+
+# A step's outputs travel as one int32 array [S, k + 1 + 5] (tokens, then one column per row output): the loop then
+# writes one output buffer per step instead of six, each write a kernel of its own (docs/performance.md, run 11).
+_ROW_OUTPUTS = ("n_emit", "accepted", "finished", "reason", "was_active")
+_BOOL_OUTPUTS = ("finished", "was_active")
+
+
+def _pack(step_result):
+    """(state, outputs dict) -> (state, [S, k + 1 + 5] int32)."""
+    st, out = step_result
+    cols = [out[name].astype(jnp.int32)[:, None] for name in _ROW_OUTPUTS]
+    return st, jnp.concatenate([out["tokens"].astype(jnp.int32)] + cols, axis=1)
+
+
+def _unpack_outputs(packed: jax.Array, k: int) -> dict:
+    """[N, S, k + 1 + 5] -> tokens [N, S, k+1] and n_emit/accepted/finished/reason/was_active [N, S]."""
+    out = {"tokens": packed[..., : k + 1]}
+    for i, name in enumerate(_ROW_OUTPUTS):
+        col = packed[..., k + 1 + i]
+        out[name] = col.astype(bool) if name in _BOOL_OUTPUTS else col
+    return out

@@ -3,8 +3,8 @@
 Per slot (``capacity`` = max context + k rows of KV headroom for the verify window):
 
 * KV: attention layers x 2 (k, v) x Hkv x capacity x head_dim x dtype bytes, plus the same for each MTP layer;
-* GDN: layers x (Hv x dk x dv x 4 bytes of float32 state + (K-1) x conv channels x dtype bytes of conv window);
-* verify window (transient, one step): per GDN layer the window's raw conv inputs (K-1+k+1 rows of conv channels)
+* GDN: layers x (Hv x dk x dv x 4 bytes of float32 state + K x conv channels x dtype bytes of the conv ring);
+* verify window (transient, one step): per GDN layer the window's raw conv inputs (k+1 rows of conv channels)
   and its conv outputs k and v (k+1 rows), all in the model dtype, and its float32 gates; plus the k+1 rows of
   float32 logits. (No per-token states: the accepted prefix is committed by running the rule again.)
 """
@@ -84,8 +84,8 @@ def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=j
         kv_per_slot=n_attn * capacity * kv_row,
         mtp_kv_per_slot=(cfg.mtp_num_hidden_layers * capacity * kv_row) if k > 0 else 0,
         gdn_state_per_slot=n_gdn * state,
-        conv_per_slot=n_gdn * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * b,
-        verify_window_per_slot=(n_gdn * ((cfg.linear_conv_kernel_dim + k) * cfg.conv_dim * b + (k + 1) * (
+        conv_per_slot=n_gdn * cfg.linear_conv_kernel_dim * cfg.conv_dim * b,
+        verify_window_per_slot=(n_gdn * ((k + 1) * cfg.conv_dim * b + (k + 1) * (
             (cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
              * cfg.linear_value_head_dim) * b + 2 * cfg.linear_num_value_heads * 4))) if k > 0 else 0,
         logits_per_slot=(k + 1) * cfg.vocab_size * 4,

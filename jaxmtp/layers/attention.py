@@ -12,10 +12,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.projections import project
-from jaxmtp.layers.rope import apply_rope
-from jaxmtp.pallas.attention import cached_attention
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.attention import cached_attention, fused_gated_attention, output_gate_reference, prelude_reference
 from jaxmtp.pallas.matmul import linear
 
 
@@ -32,31 +31,21 @@ class KVCache:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-    """Write ``k, v [B, T, Hkv, D]`` at rows ``positions [B, T]``; negative positions (padding) write nothing."""
-    s = cache.k.shape[2]
-    rows = jnp.where(positions >= 0, positions, s)  # out of bounds -> dropped
-    b = jnp.arange(k.shape[0])[:, None]
-    new_k = cache.k.at[b, :, rows].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[b, :, rows].set(v.astype(cache.v.dtype), mode="drop")
-    return KVCache(new_k, new_v)
-
-
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla"):
+                    matmul="xla", prelude="xla"):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
-    ``implementation`` names the attention kernel, ``matmul`` the projections'."""
+    ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
+    projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
+    serving layout only, else unused)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg, k, v = project(p, x, "qkv_proj", mm, cfg)
-    qg = qg.reshape(b, t, hq, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:].reshape(b, t, hq * d)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(b, t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
-    v = v.reshape(b, t, hkv, d)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = write_kv(cache, k, v, positions)
-    o = cached_attention(q, cache.k, cache.v, positions, implementation=implementation)
-    o = o.reshape(b, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return mm(o, p["o_proj"]), cache
+    if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:
+        y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"], cos, sin, cache.k, cache.v,
+                                        positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps,
+                                        implementation=prelude, attention=implementation)
+        return mm(y, p["o_proj"]), KVCache(k, v)
+    q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
+                                      cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)
+    o = cached_attention(q, k, v, positions, implementation=implementation)
+    return mm(output_gate_reference(o, gate), p["o_proj"]), KVCache(k, v)

@@ -7,13 +7,18 @@ serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated
 :mod:`jaxmtp.layers.projections`.
 
 Rollback for speculative decoding: with ``step_states=True`` :func:`gated_deltanet` returns a :class:`GDNSteps`
-instead of the new carry: the state before the verify window and the window's conv inputs (the old conv window
-first), conv outputs and gates.
+instead of the new carry: the state before the verify window, the old conv ring and the window's raw inputs, conv
+outputs and gates.
 :func:`select_step` commits the first n tokens of each row once the accepted length is known, by running the rule
 over them again from the old state (the other tokens masked with g = beta = 0, which leaves a state unchanged). The
 committed state is the one plain decoding reaches, computed by the same per-token arithmetic; and a verify step
 moves each layer's state once in and once out (plus the commit's read), where keeping the state after every token
 (T states written, one read back) moved T + 2 states per slot (docs/performance.md, run 9).
+
+The conv carry is a ring of K rows indexed by absolute position (row ``q % K`` holds the raw input at position q),
+not a shifted window of K-1: a decode step then writes one row the step does not read, so the one-kernel mixer
+updates the carry in place, where rewriting a shifted window raced with the programs reading it and cost a copy of
+every layer's window per step (docs/performance.md, run 11).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jaxmtp.layers.projections import project, split_fused
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
+    commit_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     gdn_mixer,
     use_fused_mixer,
@@ -36,7 +42,9 @@ from jaxmtp.pallas.gated_delta_rule import (
 
 @struct.dataclass
 class GDNCarry:
-    """``conv [B, K-1, C]``: the last K-1 raw (pre-conv) projections; ``state [B, Hv, dk, dv]`` float32."""
+    """``conv [B, K, C]``: ring of raw (pre-conv) projections, row ``q % K`` holding position q (the last K-1
+    positions before a row's length are the conv window; see :func:`window_from_ring`); ``state [B, Hv, dk, dv]``
+    float32."""
 
     conv: jax.Array
     state: jax.Array
@@ -44,7 +52,7 @@ class GDNCarry:
     @staticmethod
     def zeros(cfg: Qwen35Config, batch: int, dtype) -> "GDNCarry":
         return GDNCarry(
-            jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+            jnp.zeros((batch, cfg.linear_conv_kernel_dim, cfg.conv_dim), dtype),
             jnp.zeros(
                 (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32
             ),
@@ -53,35 +61,52 @@ class GDNCarry:
 
 @struct.dataclass
 class GDNSteps:
-    """A verify window, kept until its accepted length is known: ``state [B, Hv, dk, dv]`` before the window;
-    ``conv_inputs [B, K-1+T, C]`` (the old window, then the new raw projections); the conv outputs
-    ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm) and the gates
-    ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens)."""
+    """A verify window, kept until its accepted length is known: ``state [B, Hv, dk, dv]`` and ``ring [B, K, C]``
+    before the window; ``inputs [B, T, C]``, the window's raw conv inputs (carry dtype); the conv outputs
+    ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm); the gates
+    ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens); ``start [B]``, the window's first position."""
 
     state: jax.Array
-    conv_inputs: jax.Array
+    ring: jax.Array
+    inputs: jax.Array
     k: jax.Array
     v: jax.Array
     g: jax.Array
     beta: jax.Array
+    start: jax.Array
 
 
 def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla") -> GDNCarry:
     """Carry after the first ``n_tokens[b]`` (0..T) tokens of each row's window: the rule runs again over them
     from the old state (``implementation`` names the recurrent kernel; its final state overwrites the old one)."""
     t = steps.k.shape[1]
-    km1 = steps.conv_inputs.shape[1] - t
     keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
     g, beta = jnp.where(keep, steps.g, 0.0), jnp.where(keep, steps.beta, 0.0)
-    # q only feeds the discarded read-out: k stands in for it
-    _, state = fused_recurrent_gated_delta_rule(steps.k, steps.k, steps.v, g, beta, initial_state=steps.state,
-                                                use_qk_l2norm_in_kernel=True, implementation=implementation)
-    return GDNCarry(_conv_window(steps.conv_inputs, n_tokens, km1), state)
+    state = commit_gated_delta_rule(steps.k, steps.v, g, beta, steps.state, implementation=implementation)
+    return GDNCarry(ring_update(steps.ring, steps.inputs, steps.start, n_tokens), state)
 
 
-def _conv_window(conv_inputs: jax.Array, n_tokens: jax.Array, km1: int) -> jax.Array:
-    """Rows [n, n + K-1) of each batch row: the last K-1 raw inputs once n new tokens were consumed."""
-    return jax.vmap(lambda xs, n: jax.lax.dynamic_slice_in_dim(xs, n, km1, axis=0))(conv_inputs, n_tokens)
+def window_from_ring(ring: jax.Array, start: jax.Array) -> jax.Array:
+    """The conv window before position ``start [B]``: raw inputs at positions start-K+1 .. start-1, in order,
+    ``[B, K-1, C]`` from the ring ``[B, K, C]`` (zeros before position 0: the ring starts zeroed)."""
+    k = ring.shape[1]
+    slots = (start[:, None] + jnp.arange(1 - k, 0)[None]) % k
+    return jnp.take_along_axis(ring, slots[:, :, None], axis=1)
+
+
+def ring_update(ring: jax.Array, inputs: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
+    """``ring [B, K, C]`` after writing ``inputs[b, i]`` (position start[b] + i) for i < n[b], in order of i: row j
+    takes the last such i with ``(start + i) % K == j`` and keeps its value if there is none."""
+    k, t = ring.shape[1], inputs.shape[1]
+    j = jnp.arange(k)[None]
+    last = n[:, None] - 1 - ((n[:, None] - 1 - (j - start[:, None])) % k)  # [B, K]; < 0: row j not written
+    src = jnp.take_along_axis(inputs, jnp.clip(last, 0, t - 1)[:, :, None], axis=1)
+    return jnp.where((last >= 0)[..., None], src.astype(ring.dtype), ring)
+
+
+def row_start(positions: jax.Array) -> jax.Array:
+    """First position of each row ``[B]`` (0 for an all-padding row, which writes nothing)."""
+    return jnp.maximum(positions[:, 0], 0).astype(jnp.int32)
 
 
 def causal_conv(conv_inputs: jax.Array, weight: jax.Array) -> jax.Array:
@@ -98,7 +123,7 @@ def gated_deltanet(
     p,
     cfg: Qwen35Config,
     x: jax.Array,
-    valid: jax.Array,
+    positions: jax.Array,
     carry: GDNCarry,
     *,
     form: str = "chunk",
@@ -109,7 +134,8 @@ def gated_deltanet(
 ):
     """One GDN mixer over a window.
 
-    x: [B, T, H]; valid: [B, T] bool, a prefix of each row (right padding). ``form`` is ``"chunk"`` or
+    x: [B, T, H]; positions: [B, T] int32, consecutive from the row's length, -1 on padding at the end of a row.
+    ``form`` is ``"chunk"`` or
     ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
     ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
     recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused).
@@ -119,8 +145,9 @@ def gated_deltanet(
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    valid, start = positions >= 0, row_start(positions)
     if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
-        return _fused_mixer(p, cfg, x, valid, carry, step_states, mixer, mm)
+        return _fused_mixer(p, cfg, x, valid, start, carry, step_states, mixer, mm)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
     mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
     z = z.reshape(b, t, hv, dv)
@@ -131,7 +158,8 @@ def gated_deltanet(
     g = jnp.where(valid[..., None], g, 0.0)
     beta = jnp.where(valid[..., None], beta, 0.0)
 
-    conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
+    mixed = mixed.astype(carry.conv.dtype)
+    conv_inputs = jnp.concatenate([window_from_ring(carry.conv, start), mixed], axis=1)
     c = causal_conv(conv_inputs, p["conv1d"]).astype(x.dtype)
     q = c[..., : hk * dk].reshape(b, t, hk, dk)
     k = c[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
@@ -150,24 +178,24 @@ def gated_deltanet(
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
     y = mm(y, p["out_proj"])
     if step_states:
-        return y, GDNSteps(carry.state, conv_inputs, k, v, g, beta)
+        return y, GDNSteps(carry.state, carry.conv, mixed, k, v, g, beta, start)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
-    return y, GDNCarry(_conv_window(conv_inputs, n_valid, cfg.linear_conv_kernel_dim - 1), final)
+    return y, GDNCarry(ring_update(carry.conv, mixed, start, n_valid), final)
 
 
-def _fused_mixer(p, cfg: Qwen35Config, x, valid, carry: GDNCarry, step_states: bool, implementation: str, mm):
+def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_states: bool, implementation: str,
+                 mm):
     """The recurrent path with conv, gates and rule in one kernel after the fused input projection
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
     b, t, _ = x.shape
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     proj = mm(x, p["in_proj_qkvzba"])
-    o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, cfg=cfg,
+    o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, start, cfg=cfg,
                        replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
     y = mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
            p["out_proj"])
     if step_states:
-        conv_inputs = jnp.concatenate([carry.conv, mixed.astype(carry.conv.dtype)], axis=1)
-        return y, GDNSteps(carry.state, conv_inputs, *out)
-    state, window = out
-    return y, GDNCarry(window, state)
+        return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
+    state, ring = out
+    return y, GDNCarry(ring, state)

@@ -28,6 +28,9 @@ class Backend:
     draft_head: str = "xla"  # the quantised draft head's product (jaxmtp.pallas.matmul.quantized_linear)
     norm: str = "xla"  # residual add + the next RMSNorm between blocks (jaxmtp.pallas.norms.add_rms_norm)
     gdn_mixer: str = "xla"  # conv + gates + rule of a decode/verify step in one kernel (serving layout only)
+    # q/k norms, RoPE, cache writes and the output gate around the attention kernel in two kernels (serving layout
+    # only; jaxmtp.pallas.attention.fused_gated_attention)
+    attention_prelude: str = "xla"
 
 
 XLA = Backend()
@@ -78,10 +81,12 @@ def _platform() -> str:
 # The GPU kernels' tiles are sized for 16-bit weights: float32 at real head sizes (attention head_dim 256, GDN heads
 # 128) exceeded the H200's shared memory, so such float32 models keep XLA; float32 at the default model's sizes
 # (64) ran (docs/default_model.md). TPU kernels are proven in interpret mode only, so TPU keeps XLA.
-# The fused add + RMSNorm kernel is not registered: in the decode step XLA fuses the add and the norm into their
-# neighbours, and the kernel made the step 3% faster to 6% slower (H200, 0.8B and 4B shapes, B = 1 and 8).
+# Run 11 (H100, 4B, alternating in one process): the attention prelude / epilogue kernels make the plain batch-1
+# step 1.4-2.0% faster, k = 3 1.5-2.1%, batch 32 1.6%; the fused add + RMSNorm kernel (since run 7 it issues every
+# load first) a further 0.7-2.7% at batch 1 plain and even elsewhere (+1.3% to -0.7% at batch 32, inside the
+# rounds' spread). Until run 7 it was 3% faster to 6% slower and not registered.
 _AUTO = {"gpu": Backend(attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON, draft_head=TRITON,
-                        gdn_mixer=TRITON)}
+                        norm=TRITON, gdn_mixer=TRITON, attention_prelude=TRITON)}
 MATMUL_KERNEL_MAX_HIDDEN = 2048
 
 

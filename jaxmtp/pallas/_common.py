@@ -54,13 +54,19 @@ def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def delta_rule_token(s, q, k, v, g, beta):
-    """One token of the gated delta rule on a ``[dk, BV]`` float32 state slice, in the GPU kernels' register layout:
-    decay, delta write, read-out. q (normalised, scaled), k: [dk]; v: [BV]; g, beta: scalars. Returns (s, o [BV])."""
+def delta_rule_write(s, k, v, g, beta):
+    """The state update of one token of the gated delta rule on a ``[dk, BV]`` float32 state slice, in the GPU
+    kernels' register layout: decay, then delta write. k (normalised): [dk]; v: [BV]; g, beta: scalars."""
     s = s * jnp.exp(g)
     kv = jnp.sum(s * k[:, None], axis=0)
     u = (v - kv) * beta
-    s = s + k[:, None] * u[None, :]
+    return s + k[:, None] * u[None, :]
+
+
+def delta_rule_token(s, q, k, v, g, beta):
+    """One token of the gated delta rule: :func:`delta_rule_write`, then the read-out. q (normalised, scaled):
+    [dk]. Returns (s, o [BV])."""
+    s = delta_rule_write(s, k, v, g, beta)
     return s, jnp.sum(s * q[:, None], axis=0)
 
 

@@ -3,10 +3,15 @@
 ``implementation``: ``"xla"`` (jnp reference), ``"triton"`` (GPU flash-decoding), ``"mosaic_tpu"`` (TPU), or
 ``"triton_interpret"`` / ``"mosaic_tpu_interpret"`` for CPU tests. Shapes a kernel cannot take (Triton: head_dim a
 power of two >= 16 and a cache of >= 16 rows; TPU: a cache length that is a multiple of 8) use the reference.
+
+:func:`fused_gated_attention` is the gated-attention layer from its fused projection to the gated output (q/k norm,
+RoPE, cache write, attention, output gate): with a Triton implementation two kernels around the attention launch
+(:mod:`.prelude_triton`), else the jnp steps with :func:`cached_attention`.
 """
 
 from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
-from jaxmtp.pallas.attention.reference import attention_reference
+from jaxmtp.pallas.attention.reference import (attention_reference, output_gate_reference, prelude_reference,
+                                               split_qkv)
 
 
 def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementation="xla"):
@@ -33,4 +38,28 @@ def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementa
     raise ValueError(f"unknown attention implementation {implementation!r}")
 
 
-__all__ = ["attention_reference", "cached_attention"]
+def fused_gated_attention(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps,
+                          implementation="xla", attention=None):
+    """Gated attention of a decode / verify window from the fused projection ``proj [B, T, P]`` (serving layout's
+    ``qkv_proj``, :func:`split_qkv`; other inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in
+    proj.dtype, k_cache, v_cache).
+
+    ``implementation`` ``"triton"`` / ``"triton_interpret"`` runs :mod:`.prelude_triton` where
+    :func:`.prelude_triton.supported` allows; otherwise (and for any other name) the reference steps run, with
+    :func:`cached_attention` using ``attention`` (default: ``implementation``)."""
+    if implementation in (TRITON, TRITON_INTERPRET):
+        from jaxmtp.pallas.attention import prelude_triton
+
+        if prelude_triton.supported(t=proj.shape[1], hq=hq, hkv=hkv, d=d, rd=cos.shape[-1], s=k_cache.shape[2],
+                                    p=proj.shape[-1]):
+            return prelude_triton.gated_attention_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache,
+                                                         positions, hq=hq, hkv=hkv, d=d, eps=eps,
+                                                         interpret=interpret_arg(implementation))
+    q, gate, k_cache, v_cache = prelude_reference(*split_qkv(proj, hq=hq, hkv=hkv, d=d), q_norm, k_norm, cos, sin,
+                                                  k_cache, v_cache, positions, hq=hq, hkv=hkv, d=d, eps=eps)
+    o = cached_attention(q, k_cache, v_cache, positions, implementation=attention or implementation)
+    return output_gate_reference(o, gate), k_cache, v_cache
+
+
+__all__ = ["attention_reference", "cached_attention", "fused_gated_attention", "output_gate_reference",
+           "prelude_reference", "split_qkv"]

@@ -8,6 +8,10 @@ masking ``kv_index <= position`` per query row. With one split the program write
 several (decode with few programs: split-K) it writes float32 partials ``(acc, max, sum)`` that a small jnp step
 combines. The last kv block is shifted back to end at S (its already-seen rows masked), so no read goes past the
 cache and S needs no padding. Large T (prefill) simply gives more row blocks.
+
+:func:`attention_core` is the launch on already packed queries, returning its raw outputs;
+:func:`cached_attention_triton` packs, launches and combines with jnp, and :mod:`.prelude_triton` surrounds the launch
+with its own two kernels instead.
 """
 
 from __future__ import annotations
@@ -83,29 +87,45 @@ def plan(b, t, hq, hkv, s, num_sms=NUM_SMS):
     return bm, bs, n_split
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_kv", "n_split", "num_warps",
-                                             "num_stages", "interpret"))
-def cached_attention_triton(q, k_cache, v_cache, q_positions, *, scale=None, block_rows=None, block_kv=None,
-                            n_split=None, num_warps=None, num_stages=None, interpret=False):
-    """Same contract as :func:`attention_reference`; S must be at least 16."""
+def pack_queries(q, q_positions, hkv, mp):
+    """q [B, T, Hq, D], q_positions [B, T] -> (qr [B, Hkv, MP, D], pos [B, MP] int32) in the kernel's row layout:
+    row ``t * G + j`` = token t, query head ``kv * G + j`` (G = Hq / Hkv); rows past T * G are zeros at position -1."""
     b, t, hq, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    grp = hq // hkv
-    if s < 16:
-        raise ValueError("the kernel needs a cache of at least 16 rows")
-    bm0, bs0, ns0 = plan(b, t, hq, hkv, s)
-    bm, bs = block_rows or bm0, block_kv or bs0
-    n_split = n_split or (ns0 if block_rows is None else 1)
-    scale = d**-0.5 if scale is None else scale
-    rows = t * grp
-    nr = math.ceil(rows / bm)
-    mp = nr * bm
+    grp, rows = hq // hkv, t * (hq // hkv)
     qr = q.reshape(b, t, hkv, grp, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    pos = jnp.repeat(q_positions.astype(jnp.int32), grp, axis=1)  # [B, rows]
+    pos = jnp.repeat(q_positions.astype(jnp.int32), grp, axis=1)
     if mp != rows:
         qr = jnp.pad(qr, ((0, 0), (0, 0), (0, mp - rows), (0, 0)))
         pos = jnp.pad(pos, ((0, 0), (0, mp - rows)), constant_values=-1)
+    return qr, pos
 
+
+def unpack_rows(o, t, hq):
+    """o [B, Hkv, MP, D] in the packed row layout -> [B, T, Hq, D] (padding rows dropped)."""
+    b, hkv, _, d = o.shape
+    grp = hq // hkv
+    return o[:, :, : t * grp].reshape(b, hkv, t, grp, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+
+
+def combine_splits(acc, m, l):
+    """Split-K partials ``acc [B, Hkv, NS, MP, D]``, ``m, l [B, Hkv, NS, MP]`` (float32) -> o [B, Hkv, MP, D] float32
+    (rows that saw no kv row: zeros)."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - m_all)
+    l_all = jnp.sum(w * l, axis=2)
+    return jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def attention_core(qr, pos, k_cache, v_cache, *, scale, block_rows, block_kv, n_split, num_warps=None,
+                   num_stages=None, interpret=False):
+    """The attention launch on packed queries ``qr [B, Hkv, MP, D]`` (MP a multiple of ``block_rows``) at row
+    positions ``pos [B, MP]`` (-1: padding). Returns its raw outputs: ``(o [B, Hkv, MP, D] in qr.dtype,)`` with
+    one split, else the float32 partials ``(acc [B, Hkv, NS, MP, D], m [B, Hkv, NS, MP], l [B, Hkv, NS, MP])``
+    for :func:`combine_splits`."""
+    b, hkv, mp, d = qr.shape
+    s = k_cache.shape[2]
+    bm, bs = block_rows, block_kv
+    nr = mp // bm
     in_specs = [
         pl.BlockSpec((None, None, bm, d), lambda bi, h, ri, sp: (bi, h, ri, 0)),
         pl.BlockSpec((None, bm), lambda bi, h, ri, sp: (bi, ri)),
@@ -113,7 +133,7 @@ def cached_attention_triton(q, k_cache, v_cache, q_positions, *, scale=None, blo
         pl.BlockSpec((None, None, s, d), lambda bi, h, ri, sp: (bi, h, 0, 0)),
     ]
     if n_split == 1:
-        out_shape = [jax.ShapeDtypeStruct((b, hkv, mp, d), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, mp, d), qr.dtype)]
         out_specs = [pl.BlockSpec((None, None, bm, d), lambda bi, h, ri, sp: (bi, h, ri, 0))]
     else:
         out_shape = [jax.ShapeDtypeStruct((b, hkv, n_split, mp, d), jnp.float32),
@@ -122,7 +142,7 @@ def cached_attention_triton(q, k_cache, v_cache, q_positions, *, scale=None, blo
         out_specs = [pl.BlockSpec((None, None, None, bm, d), lambda bi, h, ri, sp: (bi, h, sp, ri, 0)),
                      pl.BlockSpec((None, None, None, bm), lambda bi, h, ri, sp: (bi, h, sp, ri)),
                      pl.BlockSpec((None, None, None, bm), lambda bi, h, ri, sp: (bi, h, sp, ri))]
-    outs = pl.pallas_call(
+    return tuple(pl.pallas_call(
         functools.partial(_kernel, scale=float(scale), block_kv=bs, n_split=n_split, s_len=s,
                           interpret=bool(interpret)),
         out_shape=out_shape,
@@ -132,14 +152,24 @@ def cached_attention_triton(q, k_cache, v_cache, q_positions, *, scale=None, blo
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
         interpret=interpret,
         name="cached_attention",
-    )(qr, pos, k_cache, v_cache)
-    if n_split == 1:
-        o = outs[0]
-    else:
-        acc, m, l = outs
-        m_all = jnp.max(m, axis=2, keepdims=True)
-        w = jnp.exp(m - m_all)
-        l_all = jnp.sum(w * l, axis=2)
-        o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    o = o[:, :, :rows].reshape(b, hkv, t, grp, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-    return o.astype(q.dtype)
+    )(qr, pos, k_cache, v_cache))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_rows", "block_kv", "n_split", "num_warps",
+                                             "num_stages", "interpret"))
+def cached_attention_triton(q, k_cache, v_cache, q_positions, *, scale=None, block_rows=None, block_kv=None,
+                            n_split=None, num_warps=None, num_stages=None, interpret=False):
+    """Same contract as :func:`attention_reference`; S must be at least 16."""
+    b, t, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    if s < 16:
+        raise ValueError("the kernel needs a cache of at least 16 rows")
+    bm0, bs0, ns0 = plan(b, t, hq, hkv, s)
+    bm, bs = block_rows or bm0, block_kv or bs0
+    n_split = n_split or (ns0 if block_rows is None else 1)
+    scale = d**-0.5 if scale is None else scale
+    qr, pos = pack_queries(q, q_positions, hkv, math.ceil(t * (hq // hkv) / bm) * bm)
+    outs = attention_core(qr, pos, k_cache, v_cache, scale=scale, block_rows=bm, block_kv=bs, n_split=n_split,
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    o = outs[0] if n_split == 1 else combine_splits(*outs)
+    return unpack_rows(o, t, hq).astype(q.dtype)

@@ -62,6 +62,21 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     raise ValueError(f"unknown gated delta rule implementation {implementation!r}")
 
 
+def commit_gated_delta_rule(k, v, g, beta, state, implementation="xla"):
+    """The state after the rule over a window with no read-out (a verify window's commit): ``k [B, T, Hk, dk]``
+    (L2-normalised here), ``v [B, T, Hv, dv]``, ``g, beta [B, T, Hv]`` (0 where a token is not committed),
+    ``state [B, Hv, dk, dv]`` float32 -> the final state. Its reference is :func:`fused_recurrent_gated_delta_rule`'s
+    final state with k standing in for the unused query; the Triton kernel skips the query and the output."""
+    if (implementation in (TRITON, TRITON_INTERPRET) and k.shape[1] <= MAX_RECURRENT_TOKENS
+            and _triton_shapes_ok(k.shape[-1], v.shape[-1])):
+        from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_gated_delta_rule_triton
+
+        return commit_gated_delta_rule_triton(k, v, g, beta, state, interpret=interpret_arg(implementation))
+    _, final = fused_recurrent_gated_delta_rule(k, k, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True,
+                                                implementation=implementation)
+    return final
+
+
 def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
     """Whether :func:`gdn_mixer` runs the one-kernel mixer (GPU Triton, or its interpreter) for T tokens."""
     from jaxmtp.pallas.gated_delta_rule.mixer_triton import projection_blocks_ok
@@ -72,7 +87,8 @@ def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
             and _triton_shapes_ok(dk, dv) and projection_blocks_ok(hk, hv, dk, dv))
 
 
-def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, replay=False, implementation="triton"):
+def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, replay=False,
+              implementation="triton"):
     """Conv, gates and recurrence of a decode/verify window from the fused input projection, in one kernel
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`; shapes there). Only for :func:`use_fused_mixer`; its
     reference is the unfused layer (:func:`jaxmtp.layers.gated_deltanet.gated_deltanet`, ``implementation="xla"``)."""
@@ -80,13 +96,14 @@ def gdn_mixer(proj, window, conv_w, a_log, dt_bias, state, valid, *, cfg, replay
 
     if not use_fused_mixer(cfg, proj.shape[1], implementation):
         raise ValueError(f"the fused GDN mixer does not run {implementation!r} at these shapes")
-    return gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid,
+    return gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start,
                             hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                             dv=cfg.linear_value_head_dim, replay=replay,
                             interpret=interpret_arg(implementation))
 
 
 __all__ = [
+    "commit_gated_delta_rule",
     "chunk_gated_delta_rule",
     "gdn_mixer",
     "use_fused_mixer",

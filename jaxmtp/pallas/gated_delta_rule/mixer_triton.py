@@ -3,7 +3,9 @@
 
 From the fused input projection (``proj [B, T, P]``, columns ``[q | k | v | z | b | a | pad]`` as in
 :func:`jaxmtp.layers.gated_deltanet.gated_deltanet`), program ``(iv, h, b)`` runs, for value head h and its
-``BV``-wide slice of dv: the depthwise causal conv + SiLU of its q, k and v channels over ``conv window ++ proj``,
+``BV``-wide slice of dv: the depthwise causal conv + SiLU of its q, k and v channels over ``conv window ++ proj`` (the
+window read from the carry's ring of K rows, row ``q % K`` = position q,
+:class:`jaxmtp.layers.gated_deltanet.GDNCarry`),
 the gates (``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, both 0 on padding tokens), L2-normalised
 q/k and the gated delta rule over the T tokens (its ``[dk, BV]`` float32 slice of the state in registers, as in
 :mod:`.recurrent_triton`). Unfused, XLA runs the part before the rule as about six kernels per layer (gates,
@@ -12,7 +14,8 @@ batch 1 (docs/performance.md, "Decode step profile"). The gated RMSNorm stays wi
 and a program per whole head was slower (9 us against 3-5 us per layer at the 4B shape, H200).
 
 Outputs: ``o [B, T, Hv, dv]`` and either the final state ``[B, Hv, dk, dv]`` (updated in place) with the new
-conv window ``[B, K-1, C]`` (mode "final": the window after each row's valid tokens), or, for a verify window whose
+ring ``[B, K, C]`` (mode "final": the rows of each row's valid tokens written; with T = 1 in place, since the one
+row written is one the step does not read), or, for a verify window whose
 accepted length is not known yet (mode "replay"), what the rule needs to run the window's first n tokens again:
 the conv outputs ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype) and the gates ``g, beta [B, T, Hv]``
 (float32). Replay mode writes no state: the caller commits the accepted prefix afterwards with the recurrent rule
@@ -52,16 +55,33 @@ def _softplus(x):
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
-def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_ref, ck_ref, cv_ref, alog_ref,
-            dtb_ref, valid_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
+def _pick(rows, index):
+    """``rows[index]`` for a traced index (a select per row: no dynamic indexing inside the kernel)."""
+    out = rows[0]
+    for idx in range(1, len(rows)):
+        out = jnp.where(index == idx, rows[idx], out)
+    return out
+
+
+def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring_in_ref, alog_ref, dtb_ref,
+            valid_ref, start_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
     iv, h = pl.program_id(0), pl.program_id(1)
     key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's channels
+    q_off, k_off, v_off = offsets
+    kh = h // r
+    q_cols, k_cols = pl.ds(q_off + kh * dk, dk), pl.ds(k_off + kh * dk, dk)
+    v_cols = pl.ds(v_off + h * dv + iv * bv, bv)
     f32 = jnp.float32
     rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731 - where the unfused path stores in the model dtype
+    kk = km1 + 1  # ring rows
+    start = start_ref[0]
 
-    def conv(w_ref, c_ref, p_ref):
-        """Conv + SiLU outputs of the T tokens, and the K-1+T raw input rows (for the new window)."""
-        rows = [c_ref[j, :].astype(f32) for j in range(km1)] + [p_ref[i, :].astype(f32) for i in range(t)]
+    def conv(w_ref, cols, p_ref):
+        """Conv + SiLU outputs of the T tokens, the ring's K rows and the T new raw input rows."""
+        ring = [ring_in_ref[j, cols] for j in range(kk)]
+        rows = [_pick(ring, (start + j + 1) % kk).astype(f32) for j in range(km1)]  # positions start-K+1+j
+        new = [p_ref[i, :] for i in range(t)]
+        rows += [x.astype(f32) for x in new]
         w = [w_ref[j, :].astype(f32) for j in range(km1 + 1)]
         outs = []
         for i in range(t):
@@ -69,11 +89,11 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
             for j in range(1, km1 + 1):
                 acc = acc + w[j] * rows[i + j]
             outs.append(rnd(_silu(acc)))
-        return outs, rows
+        return outs, (ring, new)
 
-    qs, q_rows = conv(wq_ref, cq_ref, pq_ref)
-    ks, k_rows = conv(wk_ref, ck_ref, pk_ref)
-    vs, v_rows = conv(wv_ref, cv_ref, pv_ref)
+    qs, q_rows = conv(wq_ref, q_cols, pq_ref)
+    ks, k_rows = conv(wk_ref, k_cols, pk_ref)
+    vs, v_rows = conv(wv_ref, v_cols, pv_ref)
     a_log, dt_bias = alog_ref[0].astype(f32), dtb_ref[0].astype(f32)
     s = h0_ref[...].astype(f32)
     n_valid = jnp.int32(0)
@@ -97,36 +117,42 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, cq_r
             def _():
                 k_out[i, :] = ks[i].astype(k_out.dtype)
     if mode == "final":
-        s_ref, win_ref = outs
+        s_ref, ring_ref = outs
         s_ref[...] = s
-        q_off, k_off, v_off = offsets
 
-        def window_row(rows, j):  # raw input row n_valid + j of (window ++ proj)
-            out = rows[0] * 0.0
-            for idx, row in enumerate(rows):
-                out = jnp.where(n_valid + j == idx, row, out)
-            return out.astype(win_ref.dtype)
+        def write_ring(rows, col):
+            """The ring rows of the valid tokens (as :func:`jaxmtp.layers.gated_deltanet.ring_update`). With T = 1
+            the output is the input ring (aliased): only the new token's row is stored, a row no program reads.
+            Otherwise the output is a fresh buffer and every row is stored (the old value where none is new)."""
+            ring, new = rows
+            if t == 1:
+                for j in range(kk):
+                    @pl.when((n_valid > 0) & (start % kk == j))
+                    def _():
+                        ring_ref[j, col] = new[0].astype(ring_ref.dtype)
+                return
+            for j in range(kk):
+                last = n_valid - 1 - ((n_valid - 1 - j + start + kk) % kk)  # the last valid token in row j, or < 0
+                ring_ref[j, col] = jnp.where(last >= 0, _pick(new, last), ring[j]).astype(ring_ref.dtype)
 
-        for j in range(km1):
-            win_ref[j, pl.ds(v_off + h * dv + iv * bv, bv)] = window_row(v_rows, j)
+        write_ring(v_rows, v_cols)
 
         @pl.when(key_head_writer)
         def _():
-            kh = h // r
-            for j in range(km1):
-                win_ref[j, pl.ds(q_off + kh * dk, dk)] = window_row(q_rows, j)
-                win_ref[j, pl.ds(k_off + kh * dk, dk)] = window_row(k_rows, j)
+            write_ring(q_rows, q_cols)
+            write_ring(k_rows, k_cols)
 
 
 @functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "interpret"))
-def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, hv, dk, dv, replay=False,
+def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, hk, hv, dk, dv, replay=False,
                      block_v=None, num_warps=None, interpret=False):
-    """proj [B, T, P]; window [B, K-1, C]; conv_w [K, C]; a_log, dt_bias [Hv]; state [B, Hv, dk, dv] (float32);
-    valid [B, T] bool. Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], window [B, K-1, C])) or, with
+    """proj [B, T, P]; ring [B, K, C] (the conv carry); conv_w [K, C]; a_log, dt_bias [Hv]; state [B, Hv, dk, dv]
+    (float32); valid [B, T] bool; start [B] int32, each row's first position.
+    Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], ring [B, K, C])) or, with
     ``replay``, (o, (k [B, T, Hk, dk], v [B, T, Hv, dv], g [B, T, Hv], beta [B, T, Hv])). ``block_v`` (BV) and
     ``num_warps`` tune it."""
     b, t, _ = proj.shape
-    km1 = window.shape[1]
+    km1 = ring.shape[1] - 1
     c = 2 * hk * dk + hv * dv
     r = hv // hk
     bv = min(block_v or BLOCK_V, dv)
@@ -134,7 +160,6 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
     mode = "replay" if replay else "final"
     bb = c + hv * dv  # the first b column
     seg = lambda w, blk: pl.BlockSpec((None, t, w), lambda iv, h, bi: (bi, 0, blk(iv, h)))  # noqa: E731
-    win = lambda w, blk: pl.BlockSpec((None, km1, w), lambda iv, h, bi: (bi, 0, blk(iv, h)))  # noqa: E731
     cw = lambda w, blk: pl.BlockSpec((km1 + 1, w), lambda iv, h, bi: (0, blk(iv, h)))  # noqa: E731
     q_blk = lambda iv, h: h // r  # noqa: E731 - block indices in units of the block width
     k_blk = lambda iv, h: hk + h // r  # noqa: E731
@@ -143,13 +168,15 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
         seg(dk, q_blk), seg(dk, k_blk), seg(bv, v_blk),
         seg(1, lambda iv, h: bb + h), seg(1, lambda iv, h: bb + hv + h),
         cw(dk, q_blk), cw(dk, k_blk), cw(bv, v_blk),
-        win(dk, q_blk), win(dk, k_blk), win(bv, v_blk),
+        pl.BlockSpec((None, km1 + 1, c), lambda iv, h, bi: (bi, 0, 0)),  # one operand: aliased with T = 1
         pl.BlockSpec((1,), lambda iv, h, bi: (h,)), pl.BlockSpec((1,), lambda iv, h, bi: (h,)),
         pl.BlockSpec((None, t), lambda iv, h, bi: (bi, 0)),
+        pl.BlockSpec((None, 1), lambda iv, h, bi: (bi, 0)),
         pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv)),
     ]
-    args = [proj] * 5 + [conv_w] * 3 + [window] * 3 + [
-        a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), valid.astype(jnp.int32), state.astype(jnp.float32)]
+    args = [proj] * 5 + [conv_w] * 3 + [ring] + [
+        a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), valid.astype(jnp.int32),
+        start.astype(jnp.int32).reshape(b, 1), state.astype(jnp.float32)]
     out_shape = [jax.ShapeDtypeStruct((b, t, hv, dv), proj.dtype)]
     out_specs = [pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv))]
     if mode == "replay":  # k once per key head, g and beta once per value head
@@ -161,9 +188,9 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
                       pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)), gate(), gate()]
     else:
         out_shape += [jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
-                      jax.ShapeDtypeStruct((b, km1, c), window.dtype)]
+                      jax.ShapeDtypeStruct((b, km1 + 1, c), ring.dtype)]
         out_specs += [pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv)),
-                      pl.BlockSpec((None, km1, c), lambda iv, h, bi: (bi, 0, 0))]  # programs write disjoint channels
+                      pl.BlockSpec((None, km1 + 1, c), lambda iv, h, bi: (bi, 0, 0))]  # disjoint channels
     kernel = functools.partial(_kernel, t=t, km1=km1, r=r, dk=dk, dv=dv, bv=bv, offsets=(0, hk * dk, 2 * hk * dk),
                                scale=float(dk ** -0.5), mode=mode, dtype=proj.dtype)
     outs = pl.pallas_call(
@@ -174,9 +201,10 @@ def gdn_mixer_triton(proj, window, conv_w, a_log, dt_bias, state, valid, *, hk, 
         out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
         # decode updates the state in place (each program reads and writes only its own slice), which spares XLA a
-        # copy of every layer's state per step; the window is not aliased (q/k channels are read by several
-        # programs and written by one)
-        input_output_aliases={} if mode == "replay" else {len(args) - 1: 1},
+        # copy of every layer's state per step; with T = 1 the ring too (its one new row is read by no program; the
+        # q/k channels of a key head are read by several programs and written by one), else a fresh ring
+        input_output_aliases={} if mode == "replay" else (
+            {len(args) - 1: 1, 8: 2} if t == 1 else {len(args) - 1: 1}),  # args[8]: the ring
         interpret=interpret,
         name="gdn_mixer",
     )(*args)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import delta_rule_token, l2norm_rows, recurrent_setup
+from jaxmtp.pallas._common import delta_rule_token, delta_rule_write, l2norm_rows, recurrent_setup
 
 
 def _kernel(*refs, t, scale, l2norm, has_init, mode):
@@ -95,3 +95,39 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
         name="gdn_fused_recurrent",
     )(*args)
     return outs[0], (outs[1] if mode != "none" else None)
+
+
+def _commit_kernel(k_ref, v_ref, g_ref, b_ref, h0_ref, s_ref, *, t):
+    s = h0_ref[...].astype(jnp.float32)
+    for i in range(t):
+        s = delta_rule_write(s, l2norm_rows(k_ref[i, :].astype(jnp.float32)), v_ref[i, :].astype(jnp.float32),
+                             g_ref[i].astype(jnp.float32), b_ref[i].astype(jnp.float32))
+    s_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def commit_gated_delta_rule_triton(k, v, g, beta, state, *, block_v=None, num_warps=None, interpret=False):
+    """The final state only: the rule over ``k [B, T, Hk, dk]`` (L2-normalised in the kernel), ``v [B, T, Hv, dv]``,
+    ``g, beta [B, T, Hv]`` from ``state [B, Hv, dk, dv]`` (float32, overwritten in place), with no query and no
+    read-out: a verify window's commit, which needs only the state (one reduction per token instead of two, and no
+    output written). The state equals :func:`fused_recurrent_gated_delta_rule_triton`'s bit for bit (the same
+    per-token arithmetic, :func:`jaxmtp.pallas._common.delta_rule_write`)."""
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    r = hv // hk
+    bv = min(block_v or 32, dv)
+    state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv))
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, t=t),
+        out_shape=jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
+        grid=(dv // bv, hv, b),
+        in_specs=[pl.BlockSpec((None, t, None, dk), lambda iv, h, bi: (bi, 0, h // r, 0)),
+                  pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)),
+                  pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
+                  pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)), state_spec],
+        out_specs=state_spec,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        input_output_aliases={4: 0},
+        interpret=interpret,
+        name="gdn_commit",
+    )(k, v, g, beta, state.astype(jnp.float32))

@@ -4,7 +4,8 @@ followed by the next norm.
 ``add_rms_norm(x, y, weight, eps, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` /
 ``"triton_interpret"`` run :func:`add_rms_norm_triton` when it takes the row length (:func:`supports`: all Qwen3.5
 hidden sizes), else the reference. Other names (TPU) run the reference, which XLA fuses there. The model passes
-``Backend.norm``, ``"xla"`` under ``"auto"`` on every platform (docs/kernels.md has the GPU measurements).
+``Backend.norm``: ``"triton"`` under ``"auto"`` on NVIDIA GPUs since run 11, ``"xla"`` elsewhere (docs/kernels.md has
+the GPU measurements).
 """
 
 from __future__ import annotations

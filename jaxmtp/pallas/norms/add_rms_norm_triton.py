@@ -5,8 +5,8 @@ writes ``s = x + y`` rounded to the input dtype (the residual stream, as the mod
 ``h = s / rms(s) * (1 + w)`` computed in float32 from the rounded ``s``. Triton tensors must have power-of-two sizes,
 so a row of H is handled as ``H / C`` static chunks of ``C``, the largest power of two dividing H (capped at 4096):
 one chunk for H = 1024, 2048, 4096, five of 512 / 1024 for H = 2560 / 5120. The chunks stay in registers between
-the sum of squares and the write of ``h``; no padding, no masks. Not picked by ``"auto"``: in the decode step
-XLA fuses the add and the norm into their neighbours and was as fast or faster (docs/kernels.md).
+the sum of squares and the write of ``h``; no padding, no masks. Picked by ``"auto"`` on NVIDIA GPUs since run 11:
+one launch where XLA runs two after the product's split-K reduction (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,205 @@
+"""The gated-attention layer of a decode or verify step around the attention kernel, as two GPU kernels (Pallas,
+Triton lowering) instead of about ten small XLA ones.
+
+``prelude``, grid ``(B, Hkv, G + 1, T)`` (G = Hq / Hkv): from the fused projection ``proj [B, T, P]`` (columns as
+in :func:`.reference.split_qkv`), program ``(b, kv, j, i)`` takes token i's query head ``kv * G + j`` (j < G), RMS-norms
+and ropes it and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]`` (row
+``i * G + j``, :mod:`.decode_triton`), or (j = G) the kv head's k, normed and roped, and v into the caches at row
+``positions[b, i]`` in place (input-output aliases; nothing for padding tokens). One program per head row keeps each
+program's chain short: a version with one program per kv head looping over its heads and tokens took 10.6 us for a
+4-token verify window at the 4B shape (H100). Programs ``(b, 0, j, i)`` also write the packed row positions
+``pos [B, MP]``, programs ``(b, kv, 0, 0)`` the padding rows (zeros at position -1). Rounding follows the reference:
+the norm's output is rounded to the model dtype before RoPE, RoPE's output rounded again, then cast to the cache
+dtype. Tensors must have power-of-two sizes in Triton, so a head row is handled as power-of-two column spans: the two
+rotary halves, then ``[rd, 2 rd), [2 rd, 4 rd), ..., [D/2, D)`` (D and rd powers of two).
+
+``epilogue``, grid ``(B, Hq, T)``: the query head's packed row of the attention output (one split: the normalised
+``o``; several: the float32 partials of all NS splits as one ``[NS, D]`` tile, combined as
+:func:`.decode_triton.combine_splits` does, so NS is a power of two), rounded to the model dtype and multiplied by
+``sigmoid(gate)`` (rounded likewise), written as ``y [B, T, Hq*D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from jaxmtp.pallas.attention.decode_triton import attention_core, plan
+
+MAX_TOKENS = 16  # T per call (bounded as the GDN mixer's: decode and verify windows)
+MAX_SPLITS = 32  # the epilogue combines a row's splits as one [NS, D] float32 tile
+
+
+def _pow2_spans(start: int, end: int):
+    """``[start, end)`` as aligned power-of-two spans ``(offset, size)``."""
+    spans = []
+    while start < end:
+        size = start & -start if start else 1 << (end.bit_length() - 1)
+        while start + size > end:
+            size //= 2
+        spans.append((start, size))
+        start += size
+    return spans
+
+
+def _norm_rope(load, w_ref, cos, sin, *, d, rd, eps, dtype):
+    """One head row: RMSNorm (``load(off, n)``: columns ``[off, off + n)`` of the row) then RoPE on the first rd
+    columns. Returns ``[(offset, values in dtype)]`` covering ``[0, d)``."""
+    f32, half = jnp.float32, rd // 2
+    spans = [(0, half), (half, half)] + _pow2_spans(rd, d)
+    xs = [load(o, n).astype(f32) for o, n in spans]
+    inv = lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / d + eps)
+    ys = [(x * inv * (1.0 + w_ref[pl.ds(o, n)].astype(f32))).astype(dtype) for x, (o, n) in zip(xs, spans)]
+    x1, x2 = ys[0].astype(f32), ys[1].astype(f32)
+    (c1, c2), (s1, s2) = cos, sin
+    ys[:2] = (x1 * c1 + (-x2) * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
+    return list(zip((o for o, _ in spans), ys))
+
+
+def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, _kc_in, _vc_in,
+                    qr_ref, posr_ref, kc_ref, vc_ref, *, t, grp, d, rd, eps, mp):
+    h, j, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    dtype, half = qr_ref.dtype, rd // 2
+    cs = [(ref[pl.ds(0, half)], ref[pl.ds(half, half)]) for ref in (cos_ref, sin_ref)]
+    norm_rope = functools.partial(_norm_rope, d=d, rd=rd, eps=eps, dtype=dtype)
+    position = pos_ref[0]
+
+    @pl.when(j < grp)
+    def _():  # query head h * G + j of token i
+        for o, y in norm_rope(lambda o, n: q_ref[pl.ds(o, n)], qw_ref, *cs):
+            qr_ref[i * grp + j, pl.ds(o, y.shape[0])] = y
+
+    @pl.when((j == grp) & (position >= 0))
+    def _():  # the kv head's k and v of token i, into the caches
+        for o, y in norm_rope(lambda o, n: k_ref[pl.ds(o, n)], kw_ref, *cs):
+            kc_ref[position, pl.ds(o, y.shape[0])] = y.astype(kc_ref.dtype)
+        vc_ref[position, :] = v_ref[...].astype(vc_ref.dtype)
+
+    @pl.when((h == 0) & (j < grp))
+    def _():
+        posr_ref[pl.ds(i * grp + j, 1)] = jnp.full((1,), position, jnp.int32)
+
+    @pl.when((j == 0) & (i == 0))
+    def _():  # padding rows: zeros at position -1
+        for o, n in _pow2_spans(t * grp, mp):
+            qr_ref[pl.ds(o, n), :] = jnp.zeros((n, d), dtype)
+
+            @pl.when(h == 0)
+            def _():
+                posr_ref[pl.ds(o, n)] = jnp.full((n,), -1, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "mp", "interpret"))
+def prelude_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps, mp,
+                   interpret=False):
+    """proj [B, T, P]; q_norm, k_norm [D]; cos, sin [B, T, rd] float32; caches [B, Hkv, S, D]; positions [B, T].
+    Returns (qr [B, Hkv, MP, D] in proj.dtype, pos [B, MP] int32, k_cache, v_cache): the inputs of
+    :func:`.decode_triton.attention_core` (as :func:`.decode_triton.pack_queries` packs them) and the caches with
+    the new rows (in place)."""
+    b, t, _ = proj.shape
+    s, rd, grp = k_cache.shape[2], cos.shape[-1], hq // hkv
+    cache_spec = pl.BlockSpec((None, None, s, d), lambda bi, h, j, i: (bi, h, 0, 0))
+    row = lambda w, blk: pl.BlockSpec((None, None, w), lambda bi, h, j, i: (bi, i, blk(h, j)))  # noqa: E731
+    in_specs = [
+        # q of head h*G + j (for j = G a block no program reads, still inside proj), k and v of kv head h
+        row(d, lambda h, j: 2 * (h * grp + j)), row(d, lambda h, j: 2 * hq + h), row(d, lambda h, j: 2 * hq + hkv + h),
+        pl.BlockSpec((d,), lambda bi, h, j, i: (0,)), pl.BlockSpec((d,), lambda bi, h, j, i: (0,)),
+        row(rd, lambda h, j: 0), row(rd, lambda h, j: 0),
+        pl.BlockSpec((None, None, 1), lambda bi, h, j, i: (bi, i, 0)),
+        cache_spec, cache_spec,
+    ]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, mp, d), proj.dtype), jax.ShapeDtypeStruct((b, mp), jnp.int32),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    out_specs = [pl.BlockSpec((None, None, mp, d), lambda bi, h, j, i: (bi, h, 0, 0)),
+                 pl.BlockSpec((None, mp), lambda bi, h, j, i: (bi, 0)),  # written by the programs h = 0
+                 cache_spec, cache_spec]
+    return pl.pallas_call(
+        functools.partial(_prelude_kernel, t=t, grp=grp, d=d, rd=rd, eps=float(eps), mp=mp),
+        out_shape=out_shape,
+        grid=(b, hkv, grp + 1, t),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        input_output_aliases={8: 2, 9: 3},
+        interpret=interpret,
+        name="attention_prelude",
+    )(proj, proj, proj, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
+      positions.astype(jnp.int32)[..., None], k_cache, v_cache)
+
+
+def _epilogue_kernel(gate_ref, *refs, grp):
+    *in_refs, y_ref = refs
+    f32, dtype = jnp.float32, y_ref.dtype
+    row = pl.program_id(2) * grp + pl.program_id(1) % grp  # token i, query head q: packed row i * G + q % G
+    if len(in_refs) == 1:
+        o = in_refs[0][row, :]
+    else:  # combine the splits, as combine_splits
+        acc_ref, m_ref, l_ref = in_refs
+        m, l = m_ref[:, row], l_ref[:, row]
+        w = jnp.exp(m - jnp.max(m))
+        l_all = jnp.sum(w * l)
+        o = jnp.sum(w[:, None] * acc_ref[:, row, :], axis=0) / jnp.where(l_all > 0, l_all, 1.0)
+    gate = jax.nn.sigmoid(gate_ref[...].astype(f32)).astype(dtype)
+    y_ref[...] = (o.astype(dtype).astype(f32) * gate.astype(f32)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("hq", "d", "interpret"))
+def epilogue_triton(outs, proj, *, hq, d, interpret=False):
+    """outs: :func:`.decode_triton.attention_core`'s outputs (one split: ``(o,)``; else ``(acc, m, l)`` with NS a
+    power of two); proj [B, T, P] (its gate columns). Returns y [B, T, Hq*D] in proj.dtype: the combined output
+    rounded to proj.dtype times ``sigmoid(gate)``, as :func:`.reference.output_gate_reference`."""
+    b, t, _ = proj.shape
+    hkv, mp = outs[0].shape[1], outs[0].shape[-2]
+    grp = hq // hkv
+    lead = lambda bi, q: (bi, q // grp)  # noqa: E731 - the query head's kv head
+    if len(outs) == 1:
+        in_specs = [pl.BlockSpec((None, None, mp, d), lambda bi, q, i: (*lead(bi, q), 0, 0))]
+    else:
+        ns = outs[0].shape[2]
+        if ns & (ns - 1):
+            raise ValueError(f"the epilogue needs a power-of-two number of splits, got {ns}")
+        in_specs = [pl.BlockSpec((None, None, ns, mp, d), lambda bi, q, i: (*lead(bi, q), 0, 0, 0)),
+                    pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0)),
+                    pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0))]
+    return pl.pallas_call(
+        functools.partial(_epilogue_kernel, grp=grp),
+        out_shape=jax.ShapeDtypeStruct((b, t, hq * d), proj.dtype),
+        grid=(b, hq, t),
+        in_specs=[pl.BlockSpec((None, None, d), lambda bi, q, i: (bi, i, 2 * q + 1))] + in_specs,
+        out_specs=pl.BlockSpec((None, None, d), lambda bi, q, i: (bi, i, q)),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="attention_epilogue",
+    )(proj, *outs)
+
+
+def supported(*, t, hq, hkv, d, rd, s, p) -> bool:
+    """Shapes the fused path takes: the attention kernel's (D a power of two >= 16, S >= 16), rd a power of two
+    in [2, D], Hq a multiple of Hkv, 1 <= T <= :data:`MAX_TOKENS`, and P covering q, gate, k and v."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return (pow2(d) and d >= 16 and s >= 16 and pow2(rd) and 2 <= rd <= d and hq % hkv == 0
+            and 1 <= t <= MAX_TOKENS and p >= 2 * (hq + hkv) * d)
+
+
+@functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "interpret"))
+def gated_attention_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps,
+                           interpret=False):
+    """Prelude, attention launch and epilogue: (y [B, T, Hq*D], k_cache, v_cache), the contract of
+    :func:`jaxmtp.pallas.attention.fused_gated_attention` (shapes: :func:`supported`)."""
+    b, t, _ = proj.shape
+    bm, bs, n_split = plan(b, t, hq, hkv, k_cache.shape[2])
+    # a power of two for the epilogue's [NS, D] tiles: rounded up to at most MAX_SPLITS (a split past the last kv
+    # block finds nothing to read: one idle program), above it down
+    n_split = min(1 << (n_split - 1).bit_length(), MAX_SPLITS) if n_split <= MAX_SPLITS else MAX_SPLITS
+    mp = math.ceil(t * (hq // hkv) / bm) * bm
+    qr, pos, k_cache, v_cache = prelude_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions,
+                                               hq=hq, hkv=hkv, d=d, eps=eps, mp=mp, interpret=interpret)
+    outs = attention_core(qr, pos, k_cache, v_cache, scale=d**-0.5, block_rows=bm, block_kv=bs, n_split=n_split,
+                          interpret=interpret)
+    return epilogue_triton(outs, proj, hq=hq, d=d, interpret=interpret), k_cache, v_cache
