@@ -204,6 +204,44 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     }
 
 
+def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
+             steps_per_sync: int, bw: float) -> dict:
+    """The same step under several backend overrides (``variants``, "" = the model's backend), in one process on the
+    same weights, timed in alternation: ``rounds`` rounds, each timing every variant's ``syncs`` loops. Step-time
+    differences of a few percent are below the spread between processes (docs/performance.md, runs 7-10) but not
+    between rounds of one process, which this measures."""
+    cfg = model.config
+    room = steps_per_sync * (rounds * syncs + 2) * (k + 1) + 16
+    engines = []
+    for spec in variants:
+        m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+        eng = Engine(m, num_slots=batch, max_context=context + room, num_draft_tokens=k,
+                     steps_per_sync=steps_per_sync, check_memory=False)
+        fill_synthetic(eng, context, batch * 10 + k)
+        eng.state, out = eng._run(m.params, eng.state)  # compile
+        jax.block_until_ready(out)
+        engines.append((m, eng))
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(rounds):
+        for i, (m, eng) in enumerate(engines):
+            ts = []
+            for _ in range(syncs):
+                t0 = time.perf_counter()
+                eng.state, out = eng._run(m.params, eng.state)
+                jax.device_get(out)
+                ts.append(time.perf_counter() - t0)
+            times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
+    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params))
+    roofline_ms = need["total"] / bw * 1e3
+    out = {"batch": batch, "k": k, "context": context, "roofline_ms": roofline_ms, "variants": []}
+    for spec, (m, _), ts in zip(variants, engines, times):
+        med = float(np.median(ts))
+        out["variants"].append({"override": spec, "backend": str(m.backend), "round_step_ms": ts,
+                                "step_ms": med, "roofline_fraction": roofline_ms / med})
+    del engines
+    return out
+
+
 def bench_lone_request(model, slots: int, k: int, context: int, syncs: int, steps_per_sync: int) -> dict:
     """One busy slot (slot 0) in an engine of ``slots``: the step over every slot against the step over the
     smallest slot bucket (the engine's default since slot buckets), and an engine of one slot."""
@@ -308,6 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-sync", type=int, default=8)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--override", default="", help="backend fields to set, e.g. gdn_mixer=xla,norm=triton")
+    ap.add_argument("--ab", default="", help="backend overrides to compare in one process, '|'-separated (an empty "
+                    "entry = the default), e.g. '|norm=triton': each grid point is timed in alternating rounds")
+    ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)
     ap.add_argument("--lone", default="", help="slots:k pairs, e.g. 32:3;8:0: one busy slot, full step vs bucket")
@@ -390,6 +431,16 @@ def main(argv=None) -> int:
         for batch, k in parse_grid(args.small_grid if name in small else args.grid):
             if over():
                 break
+            if args.ab:
+                try:
+                    r = bench_ab(model, batch, k, args.context, args.ab.split("|"), args.ab_rounds, args.syncs,
+                                 args.steps_per_sync, bw)
+                except Exception as e:  # noqa: BLE001
+                    r = {"batch": batch, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                entry.setdefault("ab", []).append(r)
+                print("ab", json.dumps(r), flush=True)
+                save()
+                continue
             try:
                 r = bench_steps(model, batch, k, args.context, args.syncs, args.steps_per_sync, bw)
             except Exception as e:  # noqa: BLE001
@@ -482,6 +533,15 @@ def print_table(result: dict) -> None:
             print(f"{name:18s} {s['batch']:3d} {s['k']:2d} {s['step_ms']:8.2f} {ratio:6.2f} "
                   f"{s['roofline_fraction']:8.0%} {s['tokens_per_s_at_published_al']:9.0f} {speed:7.2f} "
                   f"{s['compile_s']:9.1f}")
+        for r in e.get("ab", []):
+            if "error" in r:
+                print(f"{name:18s} {r['batch']:3d} {r['k']:2d} A/B error: {r['error'][:60]}")
+                continue
+            base = r["variants"][0]["step_ms"]
+            for v in r["variants"]:
+                rounds = " ".join(f"{t:.2f}" for t in v["round_step_ms"])
+                print(f"{name:18s} {r['batch']:3d} {r['k']:2d} {v['step_ms']:8.3f} {v['step_ms'] / base:6.3f} "
+                      f"{v['roofline_fraction']:8.0%}  A/B [{v['override'] or 'default'}] rounds: {rounds}")
         for p in e["prefill"]:
             if "error" not in p:
                 print(f"{name:18s} prefill {p['prompt_len']:6d} tokens: {p['tokens_per_s']:9.0f} tok/s")
