@@ -169,13 +169,32 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
                               generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
 
 
+def synthetic_engine(model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:
+    """An engine of ``batch`` slots with ``room`` KV rows of headroom past ``context``, every slot busy
+    (:func:`fill_synthetic`)."""
+    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
+                 steps_per_sync=steps_per_sync, check_memory=False)
+    fill_synthetic(eng, context, batch * 10 + k)
+    return eng
+
+
+def timed_loops(eng: Engine, params, n: int) -> list[tuple[float, dict]]:
+    """``n`` device loops of ``eng``, each timed until its outputs are on the host (the engine reads every loop's
+    outputs back, so the timing includes it): ``[(seconds, outputs)]``."""
+    res = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.state, out = eng._run(params, eng.state)
+        out = jax.device_get(out)
+        res.append((time.perf_counter() - t0, out))
+    return res
+
+
 def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, bw: float) -> dict:
     """Device step time with every slot busy (the jitted ``steps_per_sync``-step loop, timed between host reads)."""
     cfg = model.config
     room = steps_per_sync * (syncs + 2) * (k + 1) + 16
-    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
-                 steps_per_sync=steps_per_sync, check_memory=False)
-    fill_synthetic(eng, context, batch * 10 + k)
+    eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
     _COMPILE_S[0] = 0.0
     t0 = time.perf_counter()
     eng.state, out = eng._run(model.params, eng.state)
@@ -183,11 +202,8 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     first = time.perf_counter() - t0
     compile_s = _COMPILE_S[0]
     times, accepted, steps = [], 0, 0
-    for _ in range(syncs):
-        t0 = time.perf_counter()
-        eng.state, out = eng._run(model.params, eng.state)
-        out = jax.device_get(out)  # the engine reads every loop's outputs back, so the timing includes it
-        times.append(time.perf_counter() - t0)
+    for dt, out in timed_loops(eng, model.params, syncs):
+        times.append(dt)
         accepted += int(out["accepted"].sum())
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
@@ -215,21 +231,13 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
     engines = []
     for spec in variants:
         m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
-        eng = Engine(m, num_slots=batch, max_context=context + room, num_draft_tokens=k,
-                     steps_per_sync=steps_per_sync, check_memory=False)
-        fill_synthetic(eng, context, batch * 10 + k)
-        eng.state, out = eng._run(m.params, eng.state)  # compile
-        jax.block_until_ready(out)
+        eng = synthetic_engine(m, batch, k, context, room, steps_per_sync)
+        timed_loops(eng, m.params, 1)  # compile
         engines.append((m, eng))
     times: list[list[float]] = [[] for _ in variants]
     for _ in range(rounds):
         for i, (m, eng) in enumerate(engines):
-            ts = []
-            for _ in range(syncs):
-                t0 = time.perf_counter()
-                eng.state, out = eng._run(m.params, eng.state)
-                jax.device_get(out)
-                ts.append(time.perf_counter() - t0)
+            ts = [dt for dt, _ in timed_loops(eng, m.params, syncs)]
             times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params))
     roofline_ms = need["total"] / bw * 1e3

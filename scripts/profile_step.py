@@ -34,9 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import LAYOUTS, draft_head_bytes, fill_synthetic, random_model, step_bytes  # noqa: E402
+from bench_decode import (  # noqa: E402
+    LAYOUTS, draft_head_bytes, random_model, step_bytes, synthetic_engine, timed_loops)
 from jaxmtp import shapes  # noqa: E402
-from jaxmtp.engine import Engine  # noqa: E402
 from jaxmtp.pallas import override_backend  # noqa: E402
 
 
@@ -126,22 +126,13 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
 def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, top: int,
             hlo_dir: str | None = None) -> dict:
     room = steps_per_sync * (syncs + 3) * (k + 1) + 16
-    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
-                 steps_per_sync=steps_per_sync, check_memory=False)
-    fill_synthetic(eng, context, batch * 10 + k)
+    eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
     if hlo_dir:  # the optimised HLO of the step loop, to trace kernels (copies, fusions) back to their sources
         os.makedirs(hlo_dir, exist_ok=True)
         with open(os.path.join(hlo_dir, f"step_b{batch}_k{k}.hlo.txt"), "w") as f:
             f.write(eng._run.lower(model.params, eng.state).compile().as_text())
-    for _ in range(2):  # compile and warm
-        eng.state, out = eng._run(model.params, eng.state)
-        jax.device_get(out)
-    untraced = []
-    for _ in range(syncs):
-        t0 = time.perf_counter()
-        eng.state, out = eng._run(model.params, eng.state)
-        jax.device_get(out)
-        untraced.append(time.perf_counter() - t0)
+    timed_loops(eng, model.params, 2)  # compile and warm
+    untraced = [dt for dt, _ in timed_loops(eng, model.params, syncs)]
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         t0 = time.perf_counter()

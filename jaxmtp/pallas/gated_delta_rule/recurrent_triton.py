@@ -42,6 +42,15 @@ def _kernel(*refs, t, scale, l2norm, has_init, mode):
         s_refs[0][...] = s
 
 
+def _block_specs(t: int, r: int, dk: int, bv: int):
+    """Grid ``(dv / BV, Hv, B)``'s blocks: (a q/k row block ``[T, dk]`` of the program's key head, its v block
+    ``[T, BV]``, a gate block ``[T]``, its state slice ``[dk, BV]``)."""
+    return (pl.BlockSpec((None, t, None, dk), lambda iv, h, bi: (bi, 0, h // r, 0)),
+            pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)),
+            pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
+            pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv)))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
                                              "output_step_states", "block_v", "num_warps", "interpret"))
 def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None,
@@ -57,21 +66,14 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
         raise ValueError(f"dv={dv} must be a multiple of block_v={bv}")
     has_init = initial_state is not None
 
-    seq = lambda d: pl.BlockSpec((None, t, None, d), lambda iv, h, bi: (bi, 0, h // r, 0))  # noqa: E731
-    in_specs = [
-        seq(dk),
-        seq(dk),
-        pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)),
-        pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
-        pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
-    ]
+    qk_spec, v_spec, gate_spec, state_spec = _block_specs(t, r, dk, bv)
+    in_specs = [qk_spec, qk_spec, v_spec, gate_spec, gate_spec]
     args = [q, k, v, g, beta]
-    state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv))
     if has_init:
         in_specs.append(state_spec)
         args.append(initial_state.astype(jnp.float32))
     out_shape = [jax.ShapeDtypeStruct((b, t, hv, dv), v.dtype)]
-    out_specs = [pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv))]
+    out_specs = [v_spec]
     if mode == "steps":
         out_shape.append(jax.ShapeDtypeStruct((b, t, hv, dk, dv), jnp.float32))
         out_specs.append(pl.BlockSpec((None, t, None, dk, bv), lambda iv, h, bi: (bi, 0, h, 0, iv)))
@@ -116,15 +118,12 @@ def commit_gated_delta_rule_triton(k, v, g, beta, state, *, block_v=None, num_wa
     hv, dv = v.shape[2:]
     r = hv // hk
     bv = min(block_v or 32, dv)
-    state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv))
+    k_spec, v_spec, gate_spec, state_spec = _block_specs(t, r, dk, bv)
     return pl.pallas_call(
         functools.partial(_commit_kernel, t=t),
         out_shape=jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
         grid=(dv // bv, hv, b),
-        in_specs=[pl.BlockSpec((None, t, None, dk), lambda iv, h, bi: (bi, 0, h // r, 0)),
-                  pl.BlockSpec((None, t, None, bv), lambda iv, h, bi: (bi, 0, h, iv)),
-                  pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)),
-                  pl.BlockSpec((None, t, None), lambda iv, h, bi: (bi, 0, h)), state_spec],
+        in_specs=[k_spec, v_spec, gate_spec, gate_spec, state_spec],
         out_specs=state_spec,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
         input_output_aliases={4: 0},
