@@ -176,15 +176,16 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul,
-                                   prelude=backend.attention_prelude)
+                                   prelude=backend.attention_prelude, out_matmul=backend.out_matmul)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
                                   step_states=step_states, implementation=impl, matmul=backend.matmul,
-                                  mixer=backend.gdn_mixer)
+                                  mixer=backend.gdn_mixer, out_matmul=backend.out_matmul)
     x, h = add_rms_norm(x, y, lp["post_attention_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
-    mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul) if moe
-           else dense_mlp(lp["mlp"], h, backend.matmul))
+    mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul,
+                   out_matmul=backend.out_matmul) if moe
+           else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul))
     return x, mlp, carry
 
 

@@ -15,7 +15,11 @@ decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
   (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens. Given a hot draft
   vocabulary (:mod:`jaxmtp.draft_vocab`), the draft head holds only those rows.
 
-Both mutate the params dict in place (so that the separate weights are freed as the fused ones are made, instead
+* **Transposed output projections** (:func:`set_output_layout`), only for a backend whose ``out_matmul`` is a
+  kernel: the products that end a block (``o_proj``, ``out_proj``, dense ``down_proj``) stored ``[N, K]`` as
+  ``name + "_t"``, so that a one-row product reads whole rows of W and needs no split along K.
+
+All mutate the params dict in place (so that the separate weights are freed as the new ones are made, instead
 of holding both) and work on numpy (host) or jax (device) arrays. :func:`native_layout` undoes them (export reads
 the native layout).
 """
@@ -28,8 +32,9 @@ import numpy as np
 
 from jaxmtp.config import ConfigError
 from jaxmtp.draft_vocab import padded_ids
-from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, split_fused
-from jaxmtp.pallas._common import TRITON
+from jaxmtp.layers.projections import (FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, OUTPUT_PROJECTIONS, TRANSPOSED_SUFFIX,
+                                       split_fused)
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
@@ -53,20 +58,45 @@ def _fuse_dict(d: dict) -> None:
         del ws
 
 
+def _walk_dicts(node, fn) -> None:
+    if isinstance(node, dict):
+        fn(node)
+        for v in node.values():
+            _walk_dicts(v, fn)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _walk_dicts(v, fn)
+
+
+def _transposed(w):
+    return np.ascontiguousarray(w.T) if isinstance(w, np.ndarray) else jnp.transpose(w)
+
+
+def _set_outputs(d: dict, transposed: bool) -> None:
+    for name in OUTPUT_PROJECTIONS:
+        src, dst = (name, name + TRANSPOSED_SUFFIX) if transposed else (name + TRANSPOSED_SUFFIX, name)
+        if src in d and getattr(d[src], "ndim", 0) == 2:
+            d[dst] = _transposed(d.pop(src))
+
+
+def set_output_layout(params: dict, transposed: bool) -> dict:
+    """Store every 2-D output projection (:data:`OUTPUT_PROJECTIONS`; MoE experts' 3-D ``down_proj`` excluded) as
+    ``[N, K]`` under ``name + "_t"`` (``transposed``) or as ``[K, N]`` under its name (in place; returns
+    ``params``)."""
+    _walk_dicts(params, lambda d: _set_outputs(d, transposed))
+    return params
+
+
+def transposes_outputs(backend) -> bool:
+    """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) wants :func:`set_output_layout`'s transposed
+    weights: its ``out_matmul`` is a kernel (on XLA's paths the [K, N] weights measured as fast or faster)."""
+    return backend is not None and backend.out_matmul in (TRITON, TRITON_INTERPRET)
+
+
 def fuse_projections(params: dict) -> dict:
     """Replace every group of :data:`FUSED_GROUPS` found in a dict of ``params`` by its fused weight (in place;
     returns ``params``). Already fused or partial groups are left as they are."""
-
-    def walk(node):
-        if isinstance(node, dict):
-            _fuse_dict(node)
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(params)
+    _walk_dicts(params, _fuse_dict)
     return params
 
 
@@ -160,12 +190,14 @@ def check_draft_head_options(draft_head: bool, draft_head_bits: int | None) -> N
 
 def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
                    draft_head_bits: int | None = None, backend=None) -> dict:
-    """:func:`fuse_projections`, then, with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to
-    ``draft_head_bits``, default :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token
-    ids, :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are
+    """:func:`fuse_projections`, :func:`set_output_layout` as ``backend`` wants it (:func:`transposes_outputs`), then,
+    with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to ``draft_head_bits``, default
+    :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token ids,
+    :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are
     refused first (:func:`check_draft_head_options`)."""
     check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
+    set_output_layout(params, transposes_outputs(backend))
     if "mtp" in params and (draft_head or draft_vocab is not None):
         bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)
         add_draft_head(params, ids=draft_vocab, bits=bits if draft_head else None)
@@ -174,11 +206,13 @@ def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
 
 def native_layout(params: dict, cfg) -> dict:
     """The native layout of serving-layout ``params`` (a new tree; arrays shared where unchanged): fused weights
-    split back into their projections (padding dropped) and ``draft_head`` removed. Native params pass unchanged."""
+    split back into their projections (padding dropped), transposed output projections turned back, and
+    ``draft_head`` removed. Native params pass unchanged."""
 
     def walk(node):
         if isinstance(node, dict):
             out = {k: walk(v) for k, v in node.items() if k != "draft_head"}
+            _set_outputs(out, False)
             for fused, parts in FUSED_GROUPS.items():
                 if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
                     out.update(zip(parts, split_fused(out.pop(fused), fused, out, cfg)))

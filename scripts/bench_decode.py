@@ -33,7 +33,7 @@ from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
 from jaxmtp.model import describe_draft_head, init_params, param_shapes
-from jaxmtp.param_layout import serving_layout, weight_bytes
+from jaxmtp.param_layout import serving_layout, set_output_layout, transposes_outputs, weight_bytes
 from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.sampling import SamplingParams
 
@@ -135,22 +135,47 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head
     return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
 
 
+def prefill_engine(model, prompt_len: int, chunk: int) -> Engine:
+    return Engine(model, num_slots=1, max_context=prompt_len + 8, num_draft_tokens=0, prefill_chunk=chunk,
+                  steps_per_sync=1, check_memory=False)
+
+
+def timed_prefill(eng: Engine, prompt_len: int, rng) -> float:
+    """Seconds to prefill one random prompt of ``prompt_len`` tokens (and emit its first token)."""
+    eng.add_request(rng.integers(0, eng.cfg.vocab_size - 1, prompt_len).tolist(),
+                    SamplingParams(max_new_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    return time.perf_counter() - t0
+
+
 def bench_prefill(model, prompt_len: int, chunk: int) -> dict:
-    eng = Engine(model, num_slots=1, max_context=prompt_len + 8, num_draft_tokens=0, prefill_chunk=chunk,
-                 steps_per_sync=1, check_memory=False)
+    eng = prefill_engine(model, prompt_len, chunk)
     rng = np.random.default_rng(0)
     out = {}
     for attempt in ("cold", "warm"):
         _COMPILE_S[0] = 0.0
-        eng.add_request(rng.integers(0, model.config.vocab_size - 1, prompt_len).tolist(),
-                        SamplingParams(max_new_tokens=1, ignore_eos=True))
-        t0 = time.perf_counter()
-        while eng.has_work():
-            eng.step()
-        dt = time.perf_counter() - t0
-        out[attempt] = {"seconds": dt, "compile_s": _COMPILE_S[0]}
+        out[attempt] = {"seconds": timed_prefill(eng, prompt_len, rng), "compile_s": _COMPILE_S[0]}
     return {"prompt_len": prompt_len, "chunk": chunk, "seconds": out["warm"]["seconds"],
             "tokens_per_s": prompt_len / out["warm"]["seconds"], "compile_s": out["cold"]["compile_s"]}
+
+
+def bench_prefill_ab(model, prompt_len: int, chunk: int, variants: list[str], rounds: int) -> dict:
+    """Prefill under several backend overrides in one process, alternating (as :func:`bench_ab` for steps)."""
+    engines = []
+    for spec in variants:
+        eng = prefill_engine(variant_model(model, spec), prompt_len, chunk)
+        timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
+        engines.append(eng)
+    times: list[list[float]] = [[] for _ in variants]
+    for r in range(rounds):
+        for i, eng in enumerate(engines):
+            times[i].append(timed_prefill(eng, prompt_len, np.random.default_rng(r)))
+    del engines
+    return {"prompt_len": prompt_len, "chunk": chunk, "variants": [
+        {"override": spec, "round_seconds": ts, "tokens_per_s": prompt_len / float(np.median(ts))}
+        for spec, ts in zip(variants, times)]}
 
 
 def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
@@ -220,6 +245,24 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     }
 
 
+def variant_model(model, spec: str):
+    """``model`` with the backend overrides ``spec`` (``"name=value,..."``), its params in the layout that backend
+    reads (the output projections transposed or not: arrays shared otherwise)."""
+    m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+    if transposes_outputs(m.backend) != transposes_outputs(model.backend):
+        m = dataclasses.replace(m, params=set_output_layout(_copy_dicts(model.params), transposes_outputs(m.backend)))
+    return m
+
+
+def _copy_dicts(tree):
+    """``tree`` with its dicts and lists copied, arrays shared (a layout change then leaves ``tree`` as it was)."""
+    if isinstance(tree, dict):
+        return {k: _copy_dicts(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy_dicts(v) for v in tree)
+    return tree
+
+
 def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
              steps_per_sync: int, bw: float) -> dict:
     """The same step under several backend overrides (``variants``, "" = the model's backend), in one process on the
@@ -230,7 +273,7 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
     room = steps_per_sync * (rounds * syncs + 2) * (k + 1) + 16
     engines = []
     for spec in variants:
-        m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+        m = variant_model(model, spec)
         eng = synthetic_engine(m, batch, k, context, room, steps_per_sync)
         timed_loops(eng, m.params, 1)  # compile
         engines.append((m, eng))
@@ -333,7 +376,7 @@ def bench_hf(cfg, batch: int, prompt_len: int, new_tokens: int) -> dict:
 def parse_grid(spec: str) -> list[tuple[int, int]]:
     """'1:0,1,2,3,4;8:0,3' -> [(1,0),(1,1),...,(8,0),(8,3)]"""
     out = []
-    for part in spec.split(";"):
+    for part in filter(None, spec.split(";")):
         b, ks = part.split(":")
         out += [(int(b), int(k)) for k in ks.split(",")]
     return out
@@ -415,9 +458,8 @@ def main(argv=None) -> int:
                                shared_expert_intermediate_size=32)
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
-        model = random_model(cfg, dtype, args.backend, args.layout, args.draft_vocab, args.draft_head_bits)
-        if args.override:
-            model = dataclasses.replace(model, backend=override_backend(model.backend, args.override))
+        backend = override_backend(resolve_backend(args.backend, cfg, dtype), args.override)  # before the layout
+        model = random_model(cfg, dtype, backend, args.layout, args.draft_vocab, args.draft_head_bits)
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend),
@@ -430,7 +472,8 @@ def main(argv=None) -> int:
                 if over():
                     break
                 try:
-                    r = bench_prefill(model, p, args.prefill_chunk)
+                    r = (bench_prefill_ab(model, p, args.prefill_chunk, args.ab.split("|"), args.ab_rounds) if args.ab
+                         else bench_prefill(model, p, args.prefill_chunk))
                 except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
                     r = {"prompt_len": p, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 entry["prefill"].append(r)
@@ -551,8 +594,9 @@ def print_table(result: dict) -> None:
                 print(f"{name:18s} {r['batch']:3d} {r['k']:2d} {v['step_ms']:8.3f} {v['step_ms'] / base:6.3f} "
                       f"{v['roofline_fraction']:8.0%}  A/B [{v['override'] or 'default'}] rounds: {rounds}")
         for p in e["prefill"]:
-            if "error" not in p:
-                print(f"{name:18s} prefill {p['prompt_len']:6d} tokens: {p['tokens_per_s']:9.0f} tok/s")
+            for v in p.get("variants", [p] if "error" not in p else []):
+                label = f"  A/B [{v['override'] or 'default'}]" if "override" in v else ""
+                print(f"{name:18s} prefill {p['prompt_len']:6d} tokens: {v['tokens_per_s']:9.0f} tok/s{label}")
         for r in e.get("engine", []):
             if "error" not in r:
                 print(f"{name:18s} engine k={r['k']}: {r['decode_tokens_per_s']:.0f} tok/s after the first chunk, "

@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-head-bits", type=int, default=None, choices=[4, 8],
                     help="the drafts' copy of the LM head (default: the engine's)")
+    ap.add_argument("--override", default="", help="backend fields to set, e.g. out_matmul=xla (A/B of a kernel)")
     ap.add_argument("--out", default="bench_default_model.json")
     args = ap.parse_args(argv)
 
@@ -83,10 +84,16 @@ def main(argv=None) -> int:
     import jaxmtp
     from jaxmtp.model import describe_draft_head
 
+    from jaxmtp.pallas import override_backend
+
     model = jaxmtp.load(None, dtype=args.dtype, progress=False, draft_head_bits=args.draft_head_bits)
+    if args.override:  # loaded again: the backend decides the params' layout
+        model = jaxmtp.load(None, dtype=args.dtype, progress=False, draft_head_bits=args.draft_head_bits,
+                            backend=override_backend(model.backend, args.override))
     dev = jax.devices()[0]
     out = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
            "jax": jax.__version__, "python": platform.python_version(), "dtype": args.dtype,
+           "backend": str(model.backend),
            "draft_head": describe_draft_head(model.params, model.config.vocab_size),
            "command": " ".join(["scripts/bench_default_model.py"] + sys.argv[1:]),
            "prompts": [p["file"] for p in prompts], "runs": []}

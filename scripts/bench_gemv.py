@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from bench_norm_chain import best_time  # noqa: E402
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton  # noqa: E402
-from jaxmtp.pallas.matmul.reference import as_words, unpack_int4, w4a8_matmul_reference  # noqa: E402
+from jaxmtp.pallas.matmul.reference import as_words, swiglu_reference, unpack_int4, w4a8_matmul_reference  # noqa: E402
 from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton  # noqa: E402
 from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
@@ -183,11 +183,58 @@ def time_blocks(sweep: bool) -> dict:
     return out
 
 
+def time_rows(sweep: bool) -> dict:
+    """The 4B's block products with the weight stored ``[N, K]`` (K contiguous), so one program reads whole rows of
+    W and needs no split along K (no partial sums to reduce): the multiply-add kernel with ``transpose_w`` against
+    XLA on ``[K, N]`` (its split-K product plus the reduction, as in the engine) and on ``[N, K]``. Device time
+    (devtime.device_seconds: kernel intervals of 20 chained calls, weights rotating over copies), 1 and 4 rows."""
+    from devtime import device_seconds
+    out = {}
+    key = jax.random.key(3)
+    grid = dict(block_n=(2, 4, 8), block_k=(512, 1024, 2048), num_warps=(4, 8), num_stages=(2,))
+    for name, (k, n) in BLOCKS.items():
+        w = jax.random.normal(key, (k, n), jnp.bfloat16)
+        wt = jnp.asarray(w.T)
+        nbytes = k * n * 2
+        res = {}
+        for m in (1, 4):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            chain = lambda a, y: (a[0] + y[:, :1].astype(a[0].dtype), a[1])  # noqa: E731
+
+            def dev(fn, weight, x=x, chain=chain):
+                return device_seconds(fn, x, weight, chain=chain)
+
+            row = {"xla_kn_us": dev(lambda x, w: x @ w, w) * 1e6,
+                   "xla_nk_us": dev(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), wt) * 1e6,
+                   "gemv_default_us": dev(lambda x, w: gemv_matmul_triton(x, w, transpose_w=True), wt) * 1e6}
+            if name == "mlp_down":  # SwiGLU folded in: x is the gate|up output [m, 2K]
+                xg = jax.random.normal(jax.random.fold_in(key, 10 + m), (m, 2 * k), jnp.bfloat16)
+                row["xla_swiglu_kn_us"] = device_seconds(lambda x, w: swiglu_reference(x, k) @ w, xg, w,
+                                                         chain=chain) * 1e6
+                row["gemv_swiglu_us"] = device_seconds(
+                    lambda x, w: gemv_matmul_triton(x, w, transpose_w=True, swiglu=True), xg, wt, chain=chain) * 1e6
+                if sweep and m == 1:
+                    row["sweep_swiglu"] = sweep_tilings(
+                        lambda kw: device_seconds(lambda x, w: gemv_matmul_triton(x, w, transpose_w=True, swiglu=True,
+                                                                                  **kw), xg, wt, chain=chain),
+                        {**grid, "block_k": (1024, 2048)}, nbytes, {"block": name, "rows": m, "swiglu": True},
+                        keep=lambda kw, k=k: k % kw["block_k"] == 0)
+            if sweep and m == 1 and name in ("gdn_out_proj", "mlp_down"):  # the products XLA splits along K
+                row["sweep"] = sweep_tilings(
+                    lambda kw: dev(lambda x, w: gemv_matmul_triton(x, w, transpose_w=True, **kw), wt),
+                    grid, nbytes, {"block": name, "rows": m}, keep=lambda kw, k=k: k % kw["block_k"] == 0)
+            row.update({f"{a[:-3]}_TBps": nbytes / (b * 1e-6) / 1e12 for a, b in list(row.items()) if a.endswith("_us")})
+            print(name, m, {a: round(b, 2) for a, b in row.items() if not a.startswith("sweep")}, flush=True)
+            res[f"rows{m}"] = row
+        out[name] = res
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv.json")
-    ap.add_argument("--sweep", default="", help="comma list: head, w4a8, blocks")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: head, w4a8, blocks")
+    ap.add_argument("--sweep", default="", help="comma list: head, w4a8, blocks, rows")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: head, w4a8, blocks, rows")
     args = ap.parse_args()
     sweep, skip = set(filter(None, args.sweep.split(","))), set(filter(None, args.skip.split(",")))
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -204,6 +251,8 @@ def main() -> int:
     del w
     if "blocks" not in skip:
         out["blocks"] = time_blocks("blocks" in sweep)
+    if "rows" not in skip:
+        out["rows"] = time_rows("rows" in sweep)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0

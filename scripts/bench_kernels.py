@@ -339,8 +339,9 @@ def section_check():
 
 def section_model():
     """Small random Qwen3.5 models (real head sizes; dense and MoE): prefill, decode and verify with every kernel vs
-    the XLA path, bf16. The few-row matmul kernel is used here for every product of up to 64 rows (the default uses
-    it for single rows only), so that decode and verify exercise it."""
+    the XLA path, bf16. The few-row matmul kernel is used here for every product of up to 64 rows and the output
+    kernel (transposed output projections) for up to 4 (the defaults use them for single rows only), so that decode
+    and verify exercise them."""
     from jaxmtp.config import FULL, LINEAR, Qwen35Config
     from jaxmtp.pallas import Backend
 
@@ -356,7 +357,7 @@ def section_model():
                               shared_expert_intermediate_size=256 if not sm else 32, moe_layers=(True,) * 4)
     kind = "triton_interpret" if sm else "triton"
     kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, moe=kind, matmul=kind, norm=kind,
-                      gdn_mixer=kind, attention_prelude=kind)
+                      gdn_mixer=kind, attention_prelude=kind, out_matmul=kind)
     for label, cfg in (("dense", dense), ("moe", moe)):
         if out_of_time("model"):
             return
@@ -368,9 +369,10 @@ def _model_check(label, cfg, kernels):
     from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
     from jaxmtp.model import forward, init_carry, init_params
     from jaxmtp.pallas import XLA
-    from jaxmtp.param_layout import fuse_projections
+    from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
 
     params = fuse_projections(init_params(cfg, jax.random.key(0), jnp.bfloat16))  # serving layout: fused mixer too
+    transposed = set_output_layout(jax.tree.map(lambda a: a, params), True)  # what the output kernel reads
     b, t0, cap = 2, 200, 256
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)
@@ -380,7 +382,8 @@ def _model_check(label, cfg, kernels):
 
     def run(backend, dtype=jnp.bfloat16):
         fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
-        p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, params)
+        src = transposed if transposes_outputs(backend) else params
+        p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, src)
         logits_p, _, carry = fwd(p, ids[:, :t0], jnp.asarray(pre), init_carry(cfg, b, cap, dtype))
         logits_d, _, carry = fwd(p, ids[:, t0 : t0 + 1], jnp.asarray(lens[:, None], jnp.int32), carry)
         vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
@@ -389,8 +392,8 @@ def _model_check(label, cfg, kernels):
         states = [select_step(c, n, backend.gdn_recurrent).state for c in steps if isinstance(c, GDNSteps)]
         return [logits_p, logits_d, logits_v], states
 
-    max_rows = matmul_mod.KERNEL_MAX_ROWS
-    matmul_mod.KERNEL_MAX_ROWS = 64
+    max_rows, out_rows = matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS
+    matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS = 64, 4
     try:
         got, got_s = run(kernels)
         try:  # the GPU kernels' tiles are sized for 16-bit inputs; float32 may exceed shared memory
@@ -399,7 +402,7 @@ def _model_check(label, cfg, kernels):
             RESULTS["errors"].append(f"model {label} float32 kernels: {type(e).__name__}: {str(e)[:200]}")
             got32, got32_s = None, None
     finally:
-        matmul_mod.KERNEL_MAX_ROWS = max_rows
+        matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS = max_rows, out_rows
     want, want_s = run(XLA)
     with jax.default_matmul_precision("highest"):  # XLA:GPU would otherwise use TF32 for float32 products
         truth, truth_s = run(XLA, jnp.float32)  # the same bf16 weights, float32 activations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import glob
 import gzip
@@ -37,7 +36,7 @@ import numpy as np  # noqa: E402
 from bench_decode import (  # noqa: E402
     LAYOUTS, draft_head_bytes, random_model, step_bytes, synthetic_engine, timed_loops)
 from jaxmtp import shapes  # noqa: E402
-from jaxmtp.pallas import override_backend  # noqa: E402
+from jaxmtp.pallas import override_backend, resolve_backend  # noqa: E402
 
 
 def _union(intervals) -> float:
@@ -178,9 +177,8 @@ def main(argv=None) -> int:
         import jaxmtp.pallas.matmul as matmul_mod
 
         matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
-    model = random_model(cfg, jnp.bfloat16, args.backend, args.layout, args.draft_vocab)
-    if args.override:
-        model = dataclasses.replace(model, backend=override_backend(model.backend, args.override))
+    backend = override_backend(resolve_backend(args.backend, cfg, jnp.bfloat16), args.override)  # before the layout
+    model = random_model(cfg, jnp.bfloat16, backend, args.layout, args.draft_vocab)
     dev = jax.devices()[0]
     result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
               "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model,

@@ -68,6 +68,50 @@ def test_gemv_kernel_matches_float64(rng, m, k, n, transpose_w, splits, bn, bk, 
     _check(y32, x, w, transpose_w, 1e-6 if dtype == jnp.float32 else 1e-5)
 
 
+def _swiglu64(x, width):
+    g, u = np.asarray(x[..., :width], np.float64), np.asarray(x[..., width : 2 * width], np.float64)
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("m,k,n,bn,bk,extra", [(1, 256, 48, 2, 128, 0), (3, 384, 40, 8, 128, 128),
+                                               (1, 512, 24, 4, 256, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemv_swiglu_prologue_matches_float64(rng, m, k, n, bn, bk, extra, dtype):
+    """x = gate | up (+ padding columns the kernel must ignore): the product's input is silu(gate) * up."""
+    x = jnp.asarray(rng.standard_normal((m, 2 * k + extra)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), dtype)
+    y = gemv_matmul_triton(x, w, transpose_w=True, swiglu=True, block_n=bn, block_k=bk, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dtype
+    want = _swiglu64(x, k) @ np.asarray(w, np.float64).T
+    err = np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want)
+    assert err < (1e-6 if dtype == jnp.float32 else 1e-2), err
+    # the kernel rounds the activation to x's dtype once, as swiglu_reference materialises it
+    ref = matmul_reference(matmul_mod.swiglu_reference(x, k), w, transpose_w=True, out_dtype=jnp.float32)
+    y32 = gemv_matmul_triton(x, w, transpose_w=True, swiglu=True, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_allclose(np.asarray(y32), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x[:, : 2 * k - 128], w, transpose_w=True, swiglu=True, interpret=True)  # no room for up
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_output_linear_dispatch(rng, monkeypatch, swiglu):
+    """One row runs the kernel, more rows (and the "xla" name) the reference; all agree with float64."""
+    k, n = 256, 64
+    w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32)
+    calls = []
+    real = matmul_mod.gemv_matmul_triton
+    monkeypatch.setattr(matmul_mod, "gemv_matmul_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for rows in (1, 3):
+        x = jnp.asarray(rng.standard_normal((rows, 1, 2 * k if swiglu else k)), jnp.float32)
+        want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
+        for impl in ("xla", "triton_interpret"):
+            calls.clear()
+            y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation=impl)
+            assert y.shape == (rows, 1, n)
+            np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5)
+            assert len(calls) == (impl == "triton_interpret" and rows <= matmul_mod.OUTPUT_GEMV_MAX_ROWS)
+
+
 @pytest.mark.parametrize("unpack", ["magic", "convert"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_kernel_widens_int8_and_int4_exactly(rng, m, unpack):

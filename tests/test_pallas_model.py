@@ -13,7 +13,8 @@ from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
-from jaxmtp.param_layout import fuse_projections
+import jaxmtp.pallas.matmul as matmul_mod
+from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
 
 
 def small_config():
@@ -24,17 +25,29 @@ def small_config():
     )
 
 
-@pytest.mark.parametrize("layout", ["native", "fused"])
-def test_model_with_kernels_matches_xla(rng, layout):
+@pytest.mark.parametrize("layout", ["native", "fused", "transposed"])
+def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
     """With fused projections (the serving layout) the one-kernel GDN mixer (its conv ring updated in place) and the
-    attention prelude / epilogue kernels run too."""
+    attention prelude / epilogue kernels run too; with the output projections transposed also the one-row output
+    kernel (SwiGLU folded into down_proj), here for the two-row decode step, against the XLA path on [K, N]
+    weights."""
     kind = "triton_interpret"  # the GPU path; the TPU kernels are checked op by op (never picked automatically)
     cfg = small_config()
+    if layout == "transposed":  # the output kernel needs K (attention 128, GDN Hv * dv, MLP I) a multiple of 128
+        cfg = dataclasses.replace(cfg, intermediate_size=128, linear_value_head_dim=32)
+        monkeypatch.setattr(matmul_mod, "OUTPUT_GEMV_MAX_ROWS", 2)
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.1)
     kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind)
-    if layout == "fused":
+    kernel_params = params
+    if layout != "native":
         params = fuse_projections(params)
         kernels = dataclasses.replace(kernels, gdn_mixer=kind, attention_prelude=kind, norm=kind)
+        kernel_params = params
+    if layout == "transposed":
+        kernels = dataclasses.replace(kernels, out_matmul=kind)
+        kernel_params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(kernels))
+        assert {"out_proj_t", "down_proj_t"} <= set(kernel_params["layers"][0]["linear_attn"]) | set(
+            kernel_params["layers"][0]["mlp"]) and "o_proj_t" in kernel_params["layers"][1]["self_attn"]
     b, t0, cap = 2, 21, 32
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)
     pos = np.broadcast_to(np.arange(t0 + 5, dtype=np.int32), ids.shape).copy()
@@ -42,7 +55,7 @@ def test_model_with_kernels_matches_xla(rng, layout):
     pre_pos[1, 15:] = -1  # row 1 is shorter: right padding
     lens = np.array([t0, 15])
 
-    def run(backend):
+    def run(backend, params):
         fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
         out = []
         logits, _, carry = fwd(params, ids[:, :t0], jnp.asarray(pre_pos), init_carry(cfg, b, cap, jnp.float32))
@@ -57,8 +70,8 @@ def test_model_with_kernels_matches_xla(rng, layout):
         states = [select_step(c, n, backend.gdn_recurrent).state for c in steps if isinstance(c, GDNSteps)]
         return out, states
 
-    got, got_states = run(kernels)
-    want, want_states = run(XLA)
+    got, got_states = run(kernels, kernel_params)
+    want, want_states = run(XLA, params)
     mask = pre_pos >= 0
     np.testing.assert_allclose(np.asarray(got[0])[mask], np.asarray(want[0])[mask], atol=2e-4, rtol=0)
     for g, w in zip(got[1:], want[1:]):
@@ -77,6 +90,7 @@ def test_backend_registry():
     small, large = small_config(), dataclasses.replace(small_config(), hidden_size=4096)
     assert _auto_backend("gpu", small).matmul == "triton"  # XLA's single-row products are slow at small hidden
     assert _auto_backend("gpu", large).matmul == "xla"
+    assert _auto_backend("gpu", small).out_matmul == "triton" and _auto_backend("gpu", large).out_matmul == "xla"
     assert _auto_backend("cpu", small) == XLA
     real_heads = dataclasses.replace(small, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128)
     assert _auto_backend("gpu", real_heads, jnp.float32) == XLA  # kernels are tiled for 16-bit weights

@@ -116,11 +116,31 @@ def test_draft_head_tracks_the_exact_head(rng):
     assert XLA.draft_head == "xla"
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("moe", [False, True])
-def test_native_layout_undoes_the_serving_layout(moe):
+def test_native_layout_undoes_the_serving_layout(moe, transposed):
+    """Also with the output projections transposed (a backend whose out_matmul is a kernel), on host (numpy) and
+    device arrays."""
     cfg = _config(moe)
     native = init_params(cfg, jax.random.key(7), jnp.float32, scale=0.1)
-    serving = serving_layout(_copy(native))
+    backend = Backend(out_matmul="triton") if transposed else None
+    src = _copy(native)
+    if transposed:
+        src = jax.tree.map(np.asarray, src)  # the loader lays out host arrays
+    serving = serving_layout(src, backend=backend)
+    a, g = cfg.layer_types.index(FULL), cfg.layer_types.index(LINEAR)
+    mlp = ("mlp", "shared_expert") if moe else ("mlp",)
+    for path in [(a, "self_attn", "o_proj"), (g, "linear_attn", "out_proj"), (g, *mlp, "down_proj")]:
+        *where, name = path
+        d, n = serving["layers"], native["layers"]
+        for key in where:
+            d, n = d[key], n[key]
+        assert (name + "_t" in d) == transposed and (name in d) != transposed
+        if transposed:
+            np.testing.assert_array_equal(d[name + "_t"], np.asarray(n[name]).T)
+            assert d[name + "_t"].flags["C_CONTIGUOUS"]
+    if moe:
+        assert "down_proj" in serving["layers"][g]["mlp"]["experts"]  # the experts' 3-D weights keep their layout
     back = native_layout(serving, cfg)
     assert jax.tree.structure(back) == jax.tree.structure(native)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(native)):

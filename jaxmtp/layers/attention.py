@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import project
+from jaxmtp.layers.projections import output_product, project
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.attention import cached_attention, fused_gated_attention, output_gate_reference, prelude_reference
 from jaxmtp.pallas.matmul import linear
@@ -32,20 +32,22 @@ class KVCache:
 
 
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", prelude="xla"):
+                    matmul="xla", prelude="xla", out_matmul="xla"):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
     ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
     projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
-    serving layout only, else unused)."""
+    serving layout only, else unused), ``out_matmul`` o_proj's when it is stored transposed
+    (:func:`jaxmtp.layers.projections.output_product`)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    o_proj = lambda a: output_product(p, "o_proj", a, mm, out_matmul)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:
         y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"], cos, sin, cache.k, cache.v,
                                         positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps,
                                         implementation=prelude, attention=implementation)
-        return mm(y, p["o_proj"]), KVCache(k, v)
+        return o_proj(y), KVCache(k, v)
     q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
                                       cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)
     o = cached_attention(q, k, v, positions, implementation=implementation)
-    return mm(output_gate_reference(o, gate), p["o_proj"]), KVCache(k, v)
+    return o_proj(output_gate_reference(o, gate)), KVCache(k, v)

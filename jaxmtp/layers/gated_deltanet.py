@@ -29,7 +29,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.norms import gated_rms_norm
-from jaxmtp.layers.projections import project, split_fused
+from jaxmtp.layers.projections import output_product, project, split_fused
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
@@ -131,6 +131,7 @@ def gated_deltanet(
     implementation: str = "xla",
     matmul: str = "xla",
     mixer: str = "xla",
+    out_matmul: str = "xla",
 ):
     """One GDN mixer over a window.
 
@@ -138,16 +139,18 @@ def gated_deltanet(
     ``form`` is ``"chunk"`` or
     ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
     ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
-    recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused).
+    recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused),
+    ``out_matmul`` out_proj's when it is stored transposed (:func:`jaxmtp.layers.projections.output_product`).
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    out_proj = lambda a: output_product(p, "out_proj", a, mm, out_matmul)  # noqa: E731
     valid, start = positions >= 0, row_start(positions)
     if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
-        return _fused_mixer(p, cfg, x, valid, start, carry, step_states, mixer, mm)
+        return _fused_mixer(p, cfg, x, valid, start, carry, step_states, mixer, mm, out_proj)
     # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
     mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
     z = z.reshape(b, t, hv, dv)
@@ -176,7 +179,7 @@ def gated_deltanet(
         raise ValueError(f"unknown GDN form {form!r}")
 
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    y = mm(y, p["out_proj"])
+    y = out_proj(y)
     if step_states:
         return y, GDNSteps(carry.state, carry.conv, mixed, k, v, g, beta, start)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
@@ -184,7 +187,7 @@ def gated_deltanet(
 
 
 def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_states: bool, implementation: str,
-                 mm):
+                 mm, out_proj):
     """The recurrent path with conv, gates and rule in one kernel after the fused input projection
     (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
     b, t, _ = x.shape
@@ -193,8 +196,7 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_st
     o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, start, cfg=cfg,
                        replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
-    y = mm(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv),
-           p["out_proj"])
+    y = out_proj(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv))
     if step_states:
         return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
     state, ring = out

@@ -12,16 +12,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import project
-from jaxmtp.pallas.matmul import linear
+from jaxmtp.layers.projections import output_product, project
+from jaxmtp.pallas.matmul import linear, output_linear
 from jaxmtp.pallas.moe import moe_experts
 
 
-def dense_mlp(p, x: jax.Array, matmul: str = "xla") -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation."""
+def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_matmul: str = "xla") -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation,
+    ``out_matmul`` down_proj's when it is stored transposed (then, with gate|up fused, the kernel forms the SwiGLU)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
+    if "down_proj_t" in p and "gate_up_proj" in p:
+        return output_linear(mm(x, p["gate_up_proj"]), p["down_proj_t"], swiglu=True, implementation=out_matmul)
     gate, up = project(p, x, "gate_up_proj", mm)
-    return mm(jax.nn.silu(gate) * up, p["down_proj"])
+    return output_product(p, "down_proj", jax.nn.silu(gate) * up, mm, out_matmul)
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):
@@ -33,15 +36,16 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool):
     return weights, experts
 
 
-def moe_mlp(p, cfg: Qwen35Config, x: jax.Array, implementation: str = "xla", matmul: str = "xla") -> jax.Array:
+def moe_mlp(p, cfg: Qwen35Config, x: jax.Array, implementation: str = "xla", matmul: str = "xla",
+            out_matmul: str = "xla") -> jax.Array:
     """Sparse MoE block for x [..., H]: routed experts (``implementation``: see :func:`jaxmtp.pallas.moe.moe_experts`) plus the
-    sigmoid-gated shared expert (``matmul``: its projections)."""
+    sigmoid-gated shared expert (``matmul`` / ``out_matmul``: its projections, as in :func:`dense_mlp`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, experts = route(x2 @ p["gate"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     ex = p["experts"]
     routed = moe_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"],
                          implementation=implementation)
-    shared = dense_mlp(p["shared_expert"], x2, matmul)
+    shared = dense_mlp(p["shared_expert"], x2, matmul, out_matmul)
     shared = jax.nn.sigmoid((x2 @ p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
     return (routed + shared).reshape(shape)

@@ -11,6 +11,14 @@ from typing import Callable
 
 import jax
 
+from jaxmtp.pallas.matmul import output_linear
+
+# Projections that end a block (their output joins the residual stream). The serving layout may store them
+# transposed, ``[N, K]`` under ``name + "_t"`` (:func:`jaxmtp.param_layout.set_output_layout`), for a one-row
+# kernel that needs no split along K (:func:`jaxmtp.pallas.matmul.output_linear`).
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
+TRANSPOSED_SUFFIX = "_t"
+
 # fused name -> the projections it concatenates, in column order
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # GDN
@@ -29,7 +37,7 @@ def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
     if fused == "qkv_proj":
         kv = cfg.num_key_value_heads * cfg.head_dim
         return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
-    i = p["down_proj"].shape[0]  # SwiGLU: gate and up are I wide each
+    i = p["down_proj_t"].shape[1] if "down_proj_t" in p else p["down_proj"].shape[0]  # SwiGLU: gate, up I wide
     return (i, i)
 
 
@@ -51,3 +59,11 @@ def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
         outs.append(y[..., start : start + w])
         start += w
     return outs
+
+
+def output_product(p, name: str, x: jax.Array, mm: Callable, implementation: str = "xla") -> jax.Array:
+    """``x @ W`` for the output projection ``name`` (one of :data:`OUTPUT_PROJECTIONS`): stored transposed
+    (``p[name + "_t"]``, [N, K]) it runs :func:`output_linear` with ``implementation``, else ``mm(x, p[name])``."""
+    if name + TRANSPOSED_SUFFIX in p:
+        return output_linear(x, p[name + TRANSPOSED_SUFFIX], implementation=implementation)
+    return mm(x, p[name])

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize_rows_int8, quantized_matmul_reference,
-                                            w4a8_matmul_reference)
+                                            swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
@@ -47,6 +47,25 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
     return matmul_reference(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
+# Products that end a block (attention o_proj, GDN out_proj, the MLP's down_proj), weights stored [N, K]: one row
+# runs the multiply-add kernel without a split along K, the MLP's SwiGLU folded in (docs/performance.md, run 12:
+# XLA's one-row products there split K and reduce the partials in a second kernel). More rows stay with XLA.
+OUTPUT_GEMV_MAX_ROWS = 1
+
+
+def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
+    """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
+    the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``
+    (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
+    dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`."""
+    kdim = w_t.shape[1]
+    rows = math.prod(x.shape[:-1])
+    if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_GEMV_MAX_ROWS
+            and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
+        return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
+    return matmul_reference(swiglu_reference(x, kdim) if swiglu else x, w_t, transpose_w=True)
+
+
 def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     """The draft head's product as float32 [..., N]: x [..., K]; per-row ``scale [N]``; ``q`` int8 [N, K] (result
     ``(x @ q^T) * scale``) or int4 packed as uint8 [N, K/2] (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`).
@@ -76,6 +95,6 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return quantized_matmul_reference(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "quantized_linear",
-           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "w4a8_matmul_reference",
-           "w4a8_matmul_triton"]
+__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "output_linear", "quantized_linear",
+           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
+           "w4a8_matmul_reference", "w4a8_matmul_triton"]

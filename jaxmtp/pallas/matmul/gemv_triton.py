@@ -15,6 +15,13 @@ Grid ``(N / BN, splits)``. Weight layouts: ``[K, N]`` (``x @ W``; tile ``[BK, BN
 multiplies its low and high nibbles by the block's two halves of the row) with ``transpose_w``. With ``splits > 1``
 each program covers ``K / splits`` and a jnp sum adds the float32 partials. The reference is
 :func:`jaxmtp.pallas.matmul.reference.matmul_reference` (and the quantised references, before their scale).
+
+The products that end a block (attention ``o_proj``, GDN ``out_proj``, the MLP's ``down_proj``; N = hidden size, K
+up to 4x larger) are where XLA's one-row products split K and reduce the partials in a kernel of their own. Stored
+``[N, K]`` (K contiguous), a program reads a few whole rows of W and needs no split: one kernel, no partial sums
+(:func:`jaxmtp.pallas.matmul.output_linear`). ``swiglu=True`` folds the MLP's activation in: x is the gate|up
+projection's output ``[..., >= 2K]`` and the product's input ``silu(gate) * up`` is formed per step in registers
+(rounded to x's dtype, as :func:`jaxmtp.pallas.matmul.reference.swiglu_reference` materialises it).
 """
 
 from __future__ import annotations
@@ -52,19 +59,35 @@ def supports(m: int, k: int, n: int, transpose_w: bool, w_dtype) -> bool:
 
 
 def plan(k: int, n: int, transpose_w: bool, w_dtype):
-    """Default ``(BN, BK, splits, num_warps, num_stages)``. Transposed (the draft head): the H100 sweep of
-    scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head);
-    ``[K, N]`` bf16 weights stay with XLA in the engine (its split-K products were faster than this kernel's)."""
+    """Default ``(BN, BK, splits, num_warps, num_stages)``. Quantised (the draft head): the H100 sweep of
+    scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head).
+    Floating ``[N, K]`` (a block's output product): a few rows per program, long steps along K (H100 sweep,
+    docs/performance.md run 12). ``[K, N]`` bf16 weights stay with XLA in the engine (its split-K products were faster
+    than this kernel's)."""
     bn = 16 if n % 16 == 0 else 8
     if jnp.dtype(w_dtype) == jnp.uint8:
         return bn, INT4_BLOCK, 1, 4, 4
-    if transpose_w:
+    if transpose_w and jnp.dtype(w_dtype) == jnp.int8:
         return bn, 256 if k % 256 == 0 else 128, 1, 4, 4
+    if transpose_w:
+        bk = next(b for b in (1024, 512, 256, 128) if k % b == 0)
+        return (2, bk, 1, 4, 2) if k <= 4096 else (4, bk, 1, 8, 2)
     bn = next(b for b in (64, 32, 16, 8) if n % b == 0)
     return bn, 32, 1, 4, 4
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpack):
+def _row(x_ref, r, off, bk, swiglu):
+    """Row r's inputs ``[off, off + bk)`` as float32; with ``swiglu`` (x = gate|up, each ``swiglu`` wide)
+    ``silu(gate) * up`` rounded to x's dtype."""
+    f32 = jnp.float32
+    if not swiglu:
+        return x_ref[r, pl.ds(off, bk)].astype(f32)
+    g = x_ref[r, pl.ds(off, bk)].astype(f32)
+    u = x_ref[r, pl.ds(swiglu + off, bk)].astype(f32)
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(x_ref.dtype).astype(f32)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpack, swiglu):
     f32 = jnp.float32
     k0 = pl.program_id(1) * k_per_split
     bn = o_ref.shape[-1]
@@ -83,9 +106,9 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpac
         if transpose_w:
             w = w_ref[:, pl.ds(off, bk)]
             w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
-            return tuple(acc + w * x_ref[r, pl.ds(off, bk)].astype(f32)[None, :] for r, acc in enumerate(accs))
+            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu)[None, :] for r, acc in enumerate(accs))
         w = w_ref[pl.ds(off, bk), :].astype(f32)
-        return tuple(acc + w * x_ref[r, pl.ds(off, bk)].astype(f32)[:, None] for r, acc in enumerate(accs))
+        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu)[:, None] for r, acc in enumerate(accs))
 
     accs = lax.fori_loop(0, k_per_split // bk, body, tuple(jnp.zeros(shape, f32) for _ in range(m)))
     for r, acc in enumerate(accs):
@@ -93,18 +116,22 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpac
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "unpack", "interpret"))
+                                             "num_warps", "num_stages", "unpack", "swiglu", "interpret"))
 def gemv_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
-                       num_warps=None, num_stages=None, unpack="magic", interpret=False):
+                       num_warps=None, num_stages=None, unpack="magic", swiglu=False, interpret=False):
     """x [..., K] (1-4 rows in all); w [K, N], or [N, K] / int8 [N, K] / packed int4 uint8 [N, K/2] with
     ``transpose_w``. Returns ``x @ W`` [..., N] in ``out_dtype`` (default x.dtype; quantised weights give the
-    unscaled float32 product of the integer values)."""
-    lead, kdim = x.shape[:-1], x.shape[-1]
+    unscaled float32 product of the integer values). ``swiglu``: x is [..., >= 2K] (gate | up) and the product's
+    input ``silu(gate) * up`` (floating weights only)."""
+    lead = x.shape[:-1]
+    kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
     int4 = w.dtype == jnp.uint8
-    if not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim):
-        raise ValueError(f"unsupported gemv: [{m}, {kdim}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}")
+    bad_swiglu = swiglu and (x.shape[-1] < 2 * kdim or jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8))
+    if not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu:
+        raise ValueError(f"unsupported gemv: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}"
+                         f", swiglu={swiglu}")
     quantised = jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8)
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if quantised else x.dtype))
     bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype)
@@ -114,7 +141,7 @@ def gemv_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None,
     if n % bn or kdim % (bk * ns):
         raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
     kernel = functools.partial(_kernel, m=m, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
-                               unpack=unpack)
+                               unpack=unpack, swiglu=kdim if swiglu else 0)
     return launch_row_kernel(kernel, x, w, rows=next_pow2(m), block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or nw0, num_stages=num_stages or st0,
                              interpret=interpret, name="gemv")

@@ -22,6 +22,13 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, o
     return einsum_f32(eq, x, w).astype(out_dtype)
 
 
+def swiglu_reference(x: jax.Array, width: int) -> jax.Array:
+    """``silu(gate) * up`` for x [..., >= 2 width] = gate | up (extra columns ignored), computed in float32 and
+    rounded once to x's dtype."""
+    g, u = x[..., :width].astype(jnp.float32), x[..., width : 2 * width].astype(jnp.float32)
+    return (jax.nn.silu(g) * u).astype(x.dtype)
+
+
 def quantized_matmul_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """``(x @ q^T) * scale`` in float32: x [..., K]; q [N, K] int8; scale [N] float32 (per output column)."""
     return einsum_f32("...k,nk->...n", x, q.astype(x.dtype)) * scale

@@ -106,7 +106,7 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
                       interpret, name):
-    """The launch both few-row kernels share: x [..., K] padded to ``rows`` rows, grid ``(N / block_n, splits)``,
+    """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows`` rows, grid ``(N / block_n, splits)``,
     program j reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output
     (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
@@ -116,7 +116,7 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
     if rows != m:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
     w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
-              else pl.BlockSpec((kdim, block_n), lambda j, s: (0, j)))
+              else pl.BlockSpec((w.shape[0], block_n), lambda j, s: (0, j)))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
         out_spec = pl.BlockSpec((rows, block_n), lambda j, s: (0, j))
