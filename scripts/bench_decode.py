@@ -250,17 +250,9 @@ def variant_model(model, spec: str):
     reads (the output projections transposed or not: arrays shared otherwise)."""
     m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
     if transposes_outputs(m.backend) != transposes_outputs(model.backend):
-        m = dataclasses.replace(m, params=set_output_layout(_copy_dicts(model.params), transposes_outputs(m.backend)))
+        m = dataclasses.replace(m, params=set_output_layout(jax.tree.map(lambda a: a, model.params),  # new dicts
+                                                            transposes_outputs(m.backend)))
     return m
-
-
-def _copy_dicts(tree):
-    """``tree`` with its dicts and lists copied, arrays shared (a layout change then leaves ``tree`` as it was)."""
-    if isinstance(tree, dict):
-        return {k: _copy_dicts(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_copy_dicts(v) for v in tree)
-    return tree
 
 
 def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
