@@ -5,7 +5,8 @@
 
 Sections: ``ceilings`` (device copy, bf16 matmul), ``check`` (every kernel vs its reference at Qwen3.5 shapes, bf16),
 ``model`` (small random Qwen3.5: prefill, decode, verify with kernels vs the XLA path), ``fla_check`` (FLA computes
-the same function), ``recurrent``, ``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` /
+the same function), ``recurrent``, ``commit`` (every layer's verify commit in one launch vs one per layer),
+``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` /
 ``moe_sweep`` (tiles).
 Everything does not fit in one 10-minute device call: see docs/performance.md ("Kernels") for the calls used.
 
@@ -42,7 +43,11 @@ from jaxmtp.pallas.attention import attention_reference  # noqa: E402
 from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton  # noqa: E402
-from jaxmtp.pallas.gated_delta_rule.recurrent_triton import fused_recurrent_gated_delta_rule_triton  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule.recurrent_triton import (  # noqa: E402
+    commit_gated_delta_rule_triton,
+    commit_layers_triton,
+    fused_recurrent_gated_delta_rule_triton,
+)
 from jaxmtp.pallas.moe import gathered_experts, moe_reference, ragged_experts  # noqa: E402
 from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton  # noqa: E402
 
@@ -366,7 +371,7 @@ def section_model():
 
 def _model_check(label, cfg, kernels):
     import jaxmtp.pallas.matmul as matmul_mod
-    from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
+    from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
     from jaxmtp.model import forward, init_carry, init_params
     from jaxmtp.pallas import XLA
     from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
@@ -389,7 +394,7 @@ def _model_check(label, cfg, kernels):
         vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
         logits_v, _, steps = fwd(p, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)
         n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes, committed with the backend's recurrent rule
-        states = [select_step(c, n, backend.gdn_recurrent).state for c in steps if isinstance(c, GDNSteps)]
+        states = [c.state for c in select_steps(steps, n, backend.gdn_recurrent) if isinstance(c, GDNCarry)]
         return [logits_p, logits_d, logits_v], states
 
     max_rows, out_rows = matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS
@@ -516,6 +521,42 @@ def section_recurrent():
                     # writing the whole state): t x the measured T = 1 call. (Capturing that loop crashed FLA.)
                     record("gdn_recurrent", shape, "fla_per_token_est", t * fla_decode[hv, b], nbytes)
                 del sets
+
+
+def section_commit():
+    """A verify window's commit (T = 4) of every GDN layer of the 4B (24 layers, 32 value heads, d = 128) in one
+    launch against one launch per layer: the states bit for bit, against the reference, and the time."""
+    sm = ARGS.smoke
+    n_layers, hk, hv, d, t = (3, 2, 4, 16, 4) if sm else (24, 16, 32, 128, 4)
+    for b in ((1, 2, 4, 8) if not sm else (2,)):
+        if out_of_time("commit"):
+            return
+        layers = [gdn_inputs(jax.random.key(100 + i), b, t, hk, hv, d, lengths=[3] * b) for i in range(n_layers)]
+        k, v, g, beta = (jnp.stack([x[i] for x in layers]) for i in (1, 2, 3, 4))
+        states = [x[5] for x in layers]
+
+        def per_layer(k, v, g, beta, *s):
+            return [commit_gated_delta_rule_triton(k[i], v[i], g[i], beta[i], s[i], **impl_kw())
+                    for i in range(len(s))]
+
+        def one_launch(k, v, g, beta, *s):
+            return commit_layers_triton(k, v, g, beta, list(s), **impl_kw())
+
+        got, each = one_launch(k, v, g, beta, *states), per_layer(k, v, g, beta, *states)
+        diff = max(float(jnp.max(jnp.abs(a - e))) for a, e in zip(got, each))
+        # bit for bit on the GPU (the same instructions); the CPU interpreter's rounding differs between the two
+        add_check(f"commit {n_layers} layers b{b}: one launch vs per layer (bit for bit)", diff, True,
+                  1e-6 if sm else 1e-30)
+        ref = [naive_recurrent_gated_delta_rule(x[1], x[1], x[2], x[3], x[4], initial_state=x[5],
+                                                use_qk_l2norm_in_kernel=True)[1] for x in layers]
+        add_check(f"commit {n_layers} layers b{b} vs reference", max(rel_err(a, r)[0] for a, r in zip(got, ref)),
+                  all(bool(jnp.isfinite(a).all()) for a in got), 1e-5)
+        chain = lambda a, out: (*a[:4], *out)  # noqa: E731
+        nbytes = n_layers * gdn_bytes(b, t, hk, hv, d, False)
+        for name, fn in (("per_layer", per_layer), ("one_launch", one_launch)):
+            sec = guarded(f"commit {name} b{b}", time_jax, fn, k, v, g, beta, *states, chain=chain)
+            if sec:
+                record("gdn_commit", dict(b=b, t=t, hv=hv, layers=n_layers), name, sec, nbytes)
 
 
 def chunk_flops(b, t, hk, hv, d, c=64):
@@ -755,7 +796,7 @@ def section_sweep_final():
 
 SECTIONS = {
     "ceilings": section_ceilings, "check": section_check, "model": section_model, "fla_check": section_fla_check,
-    "recurrent": section_recurrent, "chunk": section_chunk, "attention": section_attention, "moe": section_moe,
+    "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk, "attention": section_attention, "moe": section_moe,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
 }
 

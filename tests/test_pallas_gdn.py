@@ -13,6 +13,7 @@ import pytest
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
     commit_gated_delta_rule,
+    commit_layers,
     fused_recurrent_gated_delta_rule,
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
@@ -156,5 +157,25 @@ def test_kernels_lower_at_model_shapes(impl, platform):
     if impl == "triton":  # the commit kernel is GPU-only (TPU commits with the recurrent kernel)
         commit = lambda *a: commit_gated_delta_rule(*a, implementation=impl)  # noqa: E731
         texts.append(_lower(commit, platform, qk(4), vv(4), gb(4), gb(4), s0))
+        stacked = lambda a: sds((3, *a.shape), a.dtype)  # noqa: E731
+        commit3 = lambda k, v, g, beta, *s: commit_layers(k, v, g, beta, list(s), implementation=impl)  # noqa: E731
+        texts.append(_lower(commit3, platform, stacked(qk(4)), stacked(vv(4)), stacked(gb(4)), stacked(gb(4)),
+                            s0, s0, s0))
     for text in texts:
         assert custom in text or "triton_kernel_call" in text
+
+
+def test_commit_of_several_layers_in_one_launch(rng):
+    """Three layers' verify windows committed by one kernel launch, each against its own layer's float64-checked
+    reference (every layer's inputs differ, so a program reading another layer's slice fails), with partly
+    committed rows."""
+    n_layers = 3
+    layers = [make_inputs(rng, 2, 4, 2, 2, 16, 64, jnp.float32, ((1, 2),)) for _ in range(n_layers)]
+    stack = lambda i: jnp.stack([inputs[i] for inputs, _ in layers])  # noqa: E731
+    got = commit_layers(stack(1), stack(2), stack(3), stack(4), [s0 for _, s0 in layers],
+                        implementation="triton_interpret")
+    assert len(got) == n_layers
+    for state, ((_, k, v, g, beta), s0) in zip(got, layers):
+        _, want = naive_recurrent_gated_delta_rule(k, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
+        assert state.shape == s0.shape and state.dtype == jnp.float32
+        assert_close(state, want, 1e-5)

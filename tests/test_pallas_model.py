@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
+from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
 import jaxmtp.pallas.matmul as matmul_mod
@@ -66,8 +66,8 @@ def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
         vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
         logits, _, steps = fwd(params, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)  # verify
         out.append(logits)
-        n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes committed with the backend's recurrent rule
-        states = [select_step(c, n, backend.gdn_recurrent).state for c in steps if isinstance(c, GDNSteps)]
+        n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes, every layer committed in one kernel launch
+        states = [c.state for c in select_steps(steps, n, backend.gdn_recurrent) if isinstance(c, GDNCarry)]
         return out, states
 
     got, got_states = run(kernels, kernel_params)

@@ -8,7 +8,7 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
    ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
    token budget;
 3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
-   :func:`jaxmtp.layers.gated_deltanet.select_step`); KV caches just advance ``length`` (rows past it are stale
+   :func:`jaxmtp.layers.gated_deltanet.select_steps`, all layers in one kernel); KV caches just advance ``length`` (rows past it are stale
    and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states, row ``a``
    gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, select_step
+from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
 from jaxmtp.model import draft_head, draft_tokens, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
@@ -221,8 +221,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
         n = a + 1
 
         n_commit = jnp.where(act, n, 0)  # inactive rows commit nothing: their carry stays as it was
-        carry = tuple(select_step(c, n_commit, backend.gdn_recurrent) if isinstance(c, GDNSteps) else c
-                      for c in carry)
+        carry = select_steps(carry, n_commit, backend.gdn_recurrent)  # every GDN layer in one commit kernel
     else:
         a = jnp.zeros_like(state.length)
         n = a + 1

@@ -33,7 +33,7 @@ from jaxmtp.layers.projections import output_product, project, split_fused
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
-    commit_gated_delta_rule,
+    commit_layers,
     fused_recurrent_gated_delta_rule,
     gdn_mixer,
     use_fused_mixer,
@@ -79,11 +79,25 @@ class GDNSteps:
 def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla") -> GDNCarry:
     """Carry after the first ``n_tokens[b]`` (0..T) tokens of each row's window: the rule runs again over them
     from the old state (``implementation`` names the recurrent kernel; its final state overwrites the old one)."""
-    t = steps.k.shape[1]
-    keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
-    g, beta = jnp.where(keep, steps.g, 0.0), jnp.where(keep, steps.beta, 0.0)
-    state = commit_gated_delta_rule(steps.k, steps.v, g, beta, steps.state, implementation=implementation)
-    return GDNCarry(ring_update(steps.ring, steps.inputs, steps.start, n_tokens), state)
+    return select_steps((steps,), n_tokens, implementation)[0]
+
+
+def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla") -> tuple:
+    """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). The
+    layers' windows are stacked so that a Triton ``implementation`` commits them all in one kernel launch."""
+    at = [i for i, c in enumerate(carry) if isinstance(c, GDNSteps)]
+    if not at:
+        return tuple(carry)
+    steps = [carry[i] for i in at]
+    t = steps[0].k.shape[1]
+    keep = (jnp.arange(t)[None] < n_tokens[:, None])[None, ..., None]
+    stack = lambda name: jnp.stack([getattr(s, name) for s in steps])  # noqa: E731
+    g, beta = jnp.where(keep, stack("g"), 0.0), jnp.where(keep, stack("beta"), 0.0)
+    states = commit_layers(stack("k"), stack("v"), g, beta, [s.state for s in steps], implementation)
+    out = list(carry)
+    for i, s, state in zip(at, steps, states):
+        out[i] = GDNCarry(ring_update(s.ring, s.inputs, s.start, n_tokens), state)
+    return tuple(out)
 
 
 def window_from_ring(ring: jax.Array, start: jax.Array) -> jax.Array:

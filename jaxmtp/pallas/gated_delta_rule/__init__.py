@@ -77,6 +77,24 @@ def commit_gated_delta_rule(k, v, g, beta, state, implementation="xla"):
     return final
 
 
+# Up to this many rows the Triton commit runs every layer in one launch; with more, one launch per layer. H100, 4B
+# shapes (24 layers, T = 4; docs/performance.md, run 13): 1 row 57 against 168 us, 8 rows 354-372 against 323 us.
+COMMIT_ONE_LAUNCH_MAX_ROWS = 4
+
+
+def commit_layers(k, v, g, beta, states, implementation="xla"):
+    """:func:`commit_gated_delta_rule` for L layers of one shape at once: ``k [L, B, T, Hk, dk]``, ``v [L, B, T, Hv,
+    dv]``, ``g, beta [L, B, T, Hv]`` and ``states``, L float32 arrays ``[B, Hv, dk, dv]`` -> the L new states. The
+    Triton kernel commits every layer in one launch for up to ``COMMIT_ONE_LAUNCH_MAX_ROWS`` rows (where one launch
+    per layer is bound by the launches); other implementations, and more rows, commit layer by layer."""
+    if (implementation in (TRITON, TRITON_INTERPRET) and k.shape[1] <= COMMIT_ONE_LAUNCH_MAX_ROWS
+            and k.shape[2] <= MAX_RECURRENT_TOKENS and _triton_shapes_ok(k.shape[-1], v.shape[-1])):
+        from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_layers_triton
+
+        return commit_layers_triton(k, v, g, beta, states, interpret=interpret_arg(implementation))
+    return [commit_gated_delta_rule(k[i], v[i], g[i], beta[i], s, implementation) for i, s in enumerate(states)]
+
+
 def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
     """Whether :func:`gdn_mixer` runs the one-kernel mixer (GPU Triton, or its interpreter) for T tokens."""
     from jaxmtp.pallas.gated_delta_rule.mixer_triton import projection_blocks_ok
@@ -104,6 +122,7 @@ def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, r
 
 __all__ = [
     "commit_gated_delta_rule",
+    "commit_layers",
     "chunk_gated_delta_rule",
     "gdn_mixer",
     "use_fused_mixer",

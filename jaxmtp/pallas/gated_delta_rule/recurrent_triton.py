@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
@@ -99,34 +100,62 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
     return outs[0], (outs[1] if mode != "none" else None)
 
 
-def _commit_kernel(k_ref, v_ref, g_ref, b_ref, h0_ref, s_ref, *, t):
-    s = h0_ref[...].astype(jnp.float32)
+def _commit_kernel(k_ref, v_ref, g_ref, b_ref, *state_refs, t, n_layers):
+    h0_refs, s_refs = state_refs[:n_layers], state_refs[n_layers:]
+    layer = pl.program_id(2) % n_layers
+    # a program commits one layer; Triton has no array of pointers, so the layer's state is loaded and stored in a
+    # branch per layer, and the arithmetic between them is shared (the same instructions for every layer)
+    load = lambda ref: lambda: ref[...].astype(jnp.float32)  # noqa: E731
+    s = load(h0_refs[0])() if n_layers == 1 else lax.switch(layer, [load(ref) for ref in h0_refs])
     for i in range(t):
         s = delta_rule_write(s, l2norm_rows(k_ref[i, :].astype(jnp.float32)), v_ref[i, :].astype(jnp.float32),
                              g_ref[i].astype(jnp.float32), b_ref[i].astype(jnp.float32))
-    s_ref[...] = s
+    if n_layers == 1:
+        s_refs[0][...] = s
+        return
+    for j, ref in enumerate(s_refs):
+        @pl.when(layer == j)
+        def _store(ref=ref):
+            ref[...] = s
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
-def commit_gated_delta_rule_triton(k, v, g, beta, state, *, block_v=None, num_warps=None, interpret=False):
-    """The final state only: the rule over ``k [B, T, Hk, dk]`` (L2-normalised in the kernel), ``v [B, T, Hv, dv]``,
-    ``g, beta [B, T, Hv]`` from ``state [B, Hv, dk, dv]`` (float32, overwritten in place), with no query and no
-    read-out: a verify window's commit, which needs only the state (one reduction per token instead of two, and no
-    output written). The state equals :func:`fused_recurrent_gated_delta_rule_triton`'s bit for bit (the same
-    per-token arithmetic, :func:`jaxmtp.pallas._common.delta_rule_write`)."""
-    b, t, hk, dk = k.shape
-    hv, dv = v.shape[2:]
+def commit_layers_triton(k, v, g, beta, states, *, block_v=None, num_warps=None, interpret=False):
+    """The final states only, of L layers in one launch: the rule over layer l's ``k[l] [B, T, Hk, dk]``
+    (L2-normalised in the kernel), ``v[l] [B, T, Hv, dv]``, ``g[l], beta[l] [B, T, Hv]`` from ``states[l]
+    [B, Hv, dk, dv]`` (a sequence of L float32 arrays, each overwritten in place), with no query and no read-out: a
+    verify window's commit, which needs only the states (one reduction per token instead of two, and no output
+    written). Grid ``(dv / BV, Hv, B * L)``: a program holds one layer's ``[dk, BV]`` slice. One launch for every
+    layer replaces L launches of a few microseconds each (docs/performance.md, run 13). Each state equals
+    :func:`fused_recurrent_gated_delta_rule_triton`'s bit for bit (the same per-token arithmetic,
+    :func:`jaxmtp.pallas._common.delta_rule_write`). Returns the list of L new states."""
+    n_layers, b, t, hk, dk = k.shape
+    hv, dv = v.shape[3:]
+    if len(states) != n_layers:
+        raise ValueError(f"{len(states)} states for {n_layers} layers")
     r = hv // hk
     bv = min(block_v or 32, dv)
-    k_spec, v_spec, gate_spec, state_spec = _block_specs(t, r, dk, bv)
-    return pl.pallas_call(
-        functools.partial(_commit_kernel, t=t),
-        out_shape=jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),
-        grid=(dv // bv, hv, b),
-        in_specs=[k_spec, v_spec, gate_spec, gate_spec, state_spec],
-        out_specs=state_spec,
+    nl = n_layers
+    k_spec = pl.BlockSpec((None, None, t, None, dk), lambda iv, h, p: (p % nl, p // nl, 0, h // r, 0))
+    v_spec = pl.BlockSpec((None, None, t, None, bv), lambda iv, h, p: (p % nl, p // nl, 0, h, iv))
+    gate_spec = pl.BlockSpec((None, None, t, None), lambda iv, h, p: (p % nl, p // nl, 0, h))
+    state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, p: (p // nl, h, 0, iv))
+    out = pl.pallas_call(
+        functools.partial(_commit_kernel, t=t, n_layers=nl),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)] * nl,
+        grid=(dv // bv, hv, b * nl),
+        in_specs=[k_spec, v_spec, gate_spec, gate_spec] + [state_spec] * nl,
+        out_specs=[state_spec] * nl,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
-        input_output_aliases={4: 0},
+        input_output_aliases={4 + j: j for j in range(nl)},
         interpret=interpret,
         name="gdn_commit",
-    )(k, v, g, beta, state.astype(jnp.float32))
+    )(k, v, g, beta, *(s.astype(jnp.float32) for s in states))
+    return list(out)
+
+
+def commit_gated_delta_rule_triton(k, v, g, beta, state, *, block_v=None, num_warps=None, interpret=False):
+    """:func:`commit_layers_triton` for one layer: ``k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T, Hv]``,
+    ``state [B, Hv, dk, dv]`` -> the new state."""
+    return commit_layers_triton(k[None], v[None], g[None], beta[None], [state], block_v=block_v,
+                                num_warps=num_warps, interpret=interpret)[0]
