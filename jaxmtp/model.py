@@ -9,7 +9,8 @@ function; with ``step_states=True`` the GDN entries of the returned carry are :c
 the window's rule inputs), from which :func:`jaxmtp.layers.gated_deltanet.select_step` commits an accepted prefix.
 
 Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout
-of :mod:`jaxmtp.param_layout` fuses some projections and adds a quantised ``draft_head``)::
+of :mod:`jaxmtp.param_layout` fuses some projections, adds a quantised ``draft_head`` and may hold the MTP layer's
+weights as int8)::
 
     embed_tokens [V, H], norm [H], lm_head [H, V] (absent when tied), layers: list of
       {input_layernorm, post_attention_layernorm, self_attn | linear_attn, mlp}
@@ -18,6 +19,7 @@ of :mod:`jaxmtp.param_layout` fuses some projections and adds a quantised ``draf
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,7 +33,7 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import linear, quantized_linear
+from jaxmtp.pallas.matmul import is_quantized, linear, quantized_linear
 from jaxmtp.pallas.norms import add_rms_norm
 
 Params = dict[str, Any]
@@ -225,7 +227,8 @@ def describe_draft_head(params: Params, vocab_size: int) -> str:
     kind = {"int8": "int8", "uint8": "int4"}.get(str(w.dtype), str(w.dtype))
     rows = f"{int(np.unique(np.asarray(dh['ids'])).size)} hot ids of {vocab_size}" if "ids" in dh else \
         f"all {vocab_size} ids"
-    return f"{kind} copy of the LM head, {rows}"
+    layer = "; MTP layer int8" if is_quantized(params.get("mtp", {}).get("fc")) else ""
+    return f"{kind} copy of the LM head, {rows}{layer}"
 
 
 def draft_vocab_logits(params: Params, logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -293,13 +296,15 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     """
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
+    # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
+    layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if is_quantized(mp["fc"]) else backend
     e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=backend.matmul)
+    z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=layer_backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
     z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
-                              backend=backend)
+                              backend=layer_backend)
     _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
     logits = select_logits(params, hm, positions, logits, head=lambda h: draft_head(params, h, backend))

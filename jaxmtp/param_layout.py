@@ -15,6 +15,9 @@ decoding, two changes cut the bytes and kernels of a step (docs/performance.md):
   (about 0.4% of a row's largest weight), which can change the acceptance rate, not the tokens. Given a hot draft
   vocabulary (:mod:`jaxmtp.draft_vocab`), the draft head holds only those rows.
 
+* **int8 MTP layer** (:func:`quantize_mtp`), only for a backend whose ``mtp_matmul`` is a kernel: the drafts'
+  layer reads half the bytes per draft pass; like the draft head, it changes what is proposed, not the output.
+
 * **Transposed output projections** (:func:`set_output_layout`), only for a backend whose ``out_matmul`` is a
   kernel: the products that end a block (``o_proj``, ``out_proj``, dense ``down_proj``) stored ``[N, K]`` as
   ``name + "_t"``, so that a one-row product reads whole rows of W and needs no split along K.
@@ -35,6 +38,7 @@ from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import (FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, OUTPUT_PROJECTIONS, TRANSPOSED_SUFFIX,
                                        split_fused)
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.matmul import is_quantized
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
@@ -91,6 +95,43 @@ def transposes_outputs(backend) -> bool:
     """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) wants :func:`set_output_layout`'s transposed
     weights: its ``out_matmul`` is a kernel (on XLA's paths the [K, N] weights measured as fast or faster)."""
     return backend is not None and backend.out_matmul in (TRITON, TRITON_INTERPRET)
+
+
+# The MTP layer's products quantised by quantize_mtp (fused or not; output projections plain or transposed).
+MTP_QUANTIZED = ("fc", "qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj",
+                 "down_proj")
+
+
+def _quantize_dict(d: dict) -> None:
+    for name in list(d):
+        base = name[: -len(TRANSPOSED_SUFFIX)] if name.endswith(TRANSPOSED_SUFFIX) else name
+        if base in MTP_QUANTIZED and getattr(d[name], "ndim", 0) == 2:
+            q, scale = quantize_rows(d.pop(name), transposed=base == name)
+            d[base] = {"weight": q, "scale": scale}
+
+
+def quantize_mtp(params: dict) -> dict:
+    """Store the MTP layer's 2-D product weights (:data:`MTP_QUANTIZED`; MoE experts and the small router and gates
+    excluded) as ``{"weight": int8 [N, K], "scale": float32 [N]}`` under their plain names, symmetric per output
+    channel (absmax / 127), so that each draft pass reads half the bytes. Drafts only propose: the target model
+    verifies with its own weights, so outputs are unchanged; the drafts, and so the acceptance rate, can change a
+    little (docs/performance.md, run 13). In place; returns ``params``."""
+    if "mtp" in params:
+        _walk_dicts(params["mtp"], _quantize_dict)
+    return params
+
+
+def has_quantized_mtp(params: dict) -> bool:
+    """Whether :func:`quantize_mtp` was applied to ``params``."""
+    found = []
+    _walk_dicts(params.get("mtp", {}), lambda d: found.extend(n for n in d if is_quantized(d[n])))
+    return bool(found)
+
+
+def quantizes_mtp(backend) -> bool:
+    """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) wants :func:`quantize_mtp`'s int8 MTP weights:
+    its ``mtp_matmul`` is a kernel."""
+    return backend is not None and backend.mtp_matmul in (TRITON, TRITON_INTERPRET)
 
 
 def fuse_projections(params: dict) -> dict:
@@ -189,15 +230,18 @@ def check_draft_head_options(draft_head: bool, draft_head_bits: int | None) -> N
 
 
 def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
-                   draft_head_bits: int | None = None, backend=None) -> dict:
+                   draft_head_bits: int | None = None, backend=None, quantize_mtp_layer: bool | None = None) -> dict:
     """:func:`fuse_projections`, :func:`set_output_layout` as ``backend`` wants it (:func:`transposes_outputs`), then,
     with an MTP head, :func:`add_draft_head` when ``draft_head`` (quantised to ``draft_head_bits``, default
     :func:`default_draft_head_bits` for ``backend``) or a ``draft_vocab`` (checked token ids,
-    :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one. In place; contradictory draft-head settings are
-    refused first (:func:`check_draft_head_options`)."""
+    :func:`jaxmtp.draft_vocab.read_draft_vocab`) asks for one, and :func:`quantize_mtp` when ``quantize_mtp_layer``
+    (default: ``draft_head`` and :func:`quantizes_mtp` for ``backend``). In place; contradictory draft-head settings
+    are refused first (:func:`check_draft_head_options`)."""
     check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
     set_output_layout(params, transposes_outputs(backend))
+    if quantize_mtp_layer if quantize_mtp_layer is not None else (draft_head and quantizes_mtp(backend)):
+        quantize_mtp(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
         bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)
         add_draft_head(params, ids=draft_vocab, bits=bits if draft_head else None)
@@ -207,7 +251,11 @@ def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
 def native_layout(params: dict, cfg) -> dict:
     """The native layout of serving-layout ``params`` (a new tree; arrays shared where unchanged): fused weights
     split back into their projections (padding dropped), transposed output projections turned back, and
-    ``draft_head`` removed. Native params pass unchanged."""
+    ``draft_head`` removed. Native params pass unchanged. int8 MTP weights (:func:`quantize_mtp`) cannot be turned
+    back into the checkpoint's: a ConfigError."""
+    if has_quantized_mtp(params):
+        raise ConfigError("these params hold the MTP layer as int8 (the serving layout's drafting copy), not the "
+                          "checkpoint's weights: load with int8_draft_head=False (--exact-draft-head) to export")
 
     def walk(node):
         if isinstance(node, dict):

@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations; auto: float32 on CPU, bfloat16 on accelerators")
     g.add_argument("--backend", default="auto", help="kernels: auto or xla (jaxmtp.pallas.resolve_backend)")
     g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
-                   help="draft with the bf16 LM head instead of its quantised copy (outputs are the same either way; "
-                        "the copy cuts what each draft reads to a quarter (int4) or half (int8))")
+                   help="draft with the bf16 LM head and MTP layer instead of their quantised copies (outputs are the "
+                        "same either way; the copies cut what each draft reads: the head to a quarter (int4) or half "
+                        "(int8), the MTP layer (int8, on GPUs for hidden sizes <= 2560) to half)")
     g.add_argument("--draft-head-bits", type=int, default=None, choices=[8, 4],
                    help="quantisation of the drafts' copy of the LM head (default 4 on a GPU where the hidden size is "
                         "a multiple of 128, else 8): 8 drafts a little closer to the exact head, 4 reads half the bytes "

@@ -33,7 +33,8 @@ from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.loading import Model
 from jaxmtp.model import describe_draft_head, init_params, param_shapes
-from jaxmtp.param_layout import serving_layout, set_output_layout, transposes_outputs, weight_bytes
+from jaxmtp.param_layout import (has_quantized_mtp, quantize_mtp, quantizes_mtp, serving_layout, set_output_layout,
+                                 transposes_outputs, weight_bytes)
 from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.sampling import SamplingParams
 
@@ -83,16 +84,18 @@ LAYOUTS = ("serving", "fused", "native")
 
 
 def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None,
-                 draft_head_bits: int | None = None) -> Model:
-    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections and the quantised
-    draft head), "fused" (fused projections, exact draft head) or "native" (the checkpoint layout). ``draft_vocab``:
-    a hot draft vocabulary of that many ids (the first ones; which ids does not matter for step costs)."""
+                 draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None) -> Model:
+    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections, the quantised draft
+    head and, where the backend wants it, the int8 MTP layer), "fused" (fused projections, exact drafts) or "native"
+    (the checkpoint layout). ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which ids
+    does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`."""
     params = init_params(cfg, jax.random.PRNGKey(0), dtype)
     backend = resolve_backend(backend, cfg, dtype)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
         params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
-                                draft_head_bits=draft_head_bits, backend=backend)
+                                draft_head_bits=draft_head_bits, backend=backend,
+                                quantize_mtp_layer=quantize_mtp_layer)
     jax.block_until_ready(params)
     return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend)
 
@@ -104,30 +107,41 @@ def draft_head_bytes(params) -> int | None:
     return weight_bytes({name: a for name, a in params["draft_head"].items() if name != "ids"})
 
 
-def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head_bytes: int | None = None) -> dict:
+def mtp_bytes(params) -> int | None:
+    """Bytes of the MTP head's weights as stored (int8 after :func:`jaxmtp.param_layout.quantize_mtp`), None
+    without one."""
+    return weight_bytes(params["mtp"]) if "mtp" in params else None
+
+
+def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head_bytes: int | None = None,
+               mtp_stored: int | None = None) -> dict:
     """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes. With
     k > 0 the k drafts each read the draft head (``head_bytes``, :func:`draft_head_bytes`; None: the LM head) and
-    k - 1 of them the MTP layer again, besides the verify's own reads."""
-    shapes_ = param_shapes(cfg, jnp.bfloat16)
-    leaves = jax.tree_util.tree_leaves_with_path(shapes_)
-    t = batch * (k + 1)
-    weights = 0
-    for path, s in leaves:
-        name = jax.tree_util.keystr(path)
-        nbytes = int(np.prod(s.shape)) * s.dtype.itemsize
-        if "embed_tokens" in name and not cfg.tie_word_embeddings:
-            nbytes = t * cfg.hidden_size * dtype_bytes  # gathered rows only
-        elif "experts" in name:  # routed experts: expected distinct experts hit by t tokens
-            e, top = cfg.num_experts, cfg.num_experts_per_tok
-            hit = e * (1 - (1 - top / e) ** t)
-            nbytes = int(nbytes * hit / e)
-        if "'mtp'" in name and k == 0:
-            nbytes = 0
-        weights += nbytes
-    if k > 0:  # each draft reads the draft head; recursive draft steps read the MTP layer again
+    the MTP layer (``mtp_stored``, :func:`mtp_bytes`; None: bfloat16), besides the verify's own reads."""
+    leaves = [(jax.tree_util.keystr(p), int(np.prod(s.shape)) * s.dtype.itemsize)
+              for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16))]
+
+    def touched(mtp: bool, tokens: int) -> float:
+        """Bytes of the main model's (or the MTP head's) weights that ``tokens`` tokens read."""
+        total = 0.0
+        for name, nbytes in leaves:
+            if ("'mtp'" in name) != mtp:
+                continue
+            if "embed_tokens" in name and not cfg.tie_word_embeddings:
+                nbytes = tokens * cfg.hidden_size * dtype_bytes  # gathered rows only
+            elif "experts" in name:  # routed experts: expected distinct experts hit by the tokens
+                e, top = cfg.num_experts, cfg.num_experts_per_tok
+                nbytes = nbytes * (1 - (1 - top / e) ** tokens)
+            total += nbytes
+        return total
+
+    weights = touched(False, batch * (k + 1))
+    if k > 0:  # each draft reads the draft head; the window's pass and k - 1 recursive ones read the MTP layer
         head = head_bytes if head_bytes is not None else cfg.vocab_size * cfg.hidden_size * dtype_bytes
-        mtp = sum(int(np.prod(s.shape)) * s.dtype.itemsize for p, s in leaves if "'mtp'" in jax.tree_util.keystr(p))
-        weights += k * head + (k - 1) * mtp
+        full = sum(nbytes for name, nbytes in leaves if "'mtp'" in name)
+        stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0  # int8 MTP weights
+        weights += k * head + stored * (touched(True, batch * (k + 1)) + (k - 1) * touched(True, batch))
+    weights = int(weights)
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -233,7 +247,8 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
     plan = memory_plan(cfg, batch, context, k, model.dtype)
-    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params))
+    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
+                      mtp_stored=mtp_bytes(model.params))
     del eng
     return {
         "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,
@@ -247,12 +262,17 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
 
 def variant_model(model, spec: str):
     """``model`` with the backend overrides ``spec`` (``"name=value,..."``), its params in the layout that backend
-    reads (the output projections transposed or not: arrays shared otherwise)."""
+    reads (the output projections transposed or not, the MTP layer int8 or not: arrays shared otherwise). An A/B
+    model is built with an exact MTP layer (``--ab``), since int8 cannot be undone."""
     m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+    params = model.params
     if transposes_outputs(m.backend) != transposes_outputs(model.backend):
-        m = dataclasses.replace(m, params=set_output_layout(jax.tree.map(lambda a: a, model.params),  # new dicts
-                                                            transposes_outputs(m.backend)))
-    return m
+        params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend))  # new dicts
+    if "draft_head" in params and quantizes_mtp(m.backend) != has_quantized_mtp(params):
+        if has_quantized_mtp(params):
+            raise ValueError("the model's MTP layer is int8 already: build it exact to compare (see main)")
+        params = quantize_mtp(jax.tree.map(lambda a: a, params))
+    return dataclasses.replace(m, params=params)
 
 
 def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
@@ -274,7 +294,8 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
         for i, (m, eng) in enumerate(engines):
             ts = [dt for dt, _ in timed_loops(eng, m.params, syncs)]
             times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
-    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params))
+    need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
+                      mtp_stored=mtp_bytes(model.params))
     roofline_ms = need["total"] / bw * 1e3
     out = {"batch": batch, "k": k, "context": context, "roofline_ms": roofline_ms, "variants": []}
     for spec, (m, _), ts in zip(variants, engines, times):
@@ -451,11 +472,13 @@ def main(argv=None) -> int:
         cfg = shapes.config(name, **over_kw)
         t0 = time.perf_counter()
         backend = override_backend(resolve_backend(args.backend, cfg, dtype), args.override)  # before the layout
-        model = random_model(cfg, dtype, backend, args.layout, args.draft_vocab, args.draft_head_bits)
+        model = random_model(cfg, dtype, backend, args.layout, args.draft_vocab, args.draft_head_bits,
+                             quantize_mtp_layer=False if args.ab else None)  # A/B variants quantise a copy
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
                  "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend),
-                 "draft_head": describe_draft_head(model.params, cfg.vocab_size), "prefill": [], "steps": [],
+                 "draft_head": describe_draft_head(model.params, cfg.vocab_size),
+                 "mtp_int8": has_quantized_mtp(model.params), "prefill": [], "steps": [],
                  "hf": []}
         result["models"][name] = entry
         print(f"\n== {name}: {entry['weights_bytes'] / 2**30:.1f} GiB of weights ({model.backend})", flush=True)

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Do the int8 and int4 draft heads draft what the exact LM head would? On the shipped default model (or ``--model``).
+"""Do the int8 and int4 draft heads, and the int8 MTP layer, draft what the exact head and layer would? On the shipped
+default model (or ``--model``).
 
     python scripts/eval_draft_head.py --out draft_head_agreement.json
 
 Teacher-forced over the first ``--tokens`` tokens of ``--files`` standard-library files: ``Model.draft_logits`` with
-the int8 and the int4 draft head and with ``exact_head=True``; reports how often their argmax agree and how often
+the int8 and the int4 draft head (each also with the MTP layer's weights int8, ``jaxmtp.param_layout.quantize_mtp``:
+``*_mtp8``, the GPU default for hidden sizes <= 2560 is ``int4_mtp8``) and with ``exact_head=True``; reports how often their argmax agree and how often
 each equals the target's greedy next token (what acceptance depends on). Then the acceptance length of real greedy
 generation with k = 3 from ``--prompts`` held-out code prompts (``scripts/eval_default_model.py``'s) with each head.
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 import jaxmtp  # noqa: E402
+from jaxmtp.param_layout import quantize_mtp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import eval_default_model  # noqa: E402  (held-out prompts)
@@ -42,6 +45,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     heads = {"int8": jaxmtp.load(args.model, dtype="float32", progress=False, draft_head_bits=8),
              "int4": jaxmtp.load(args.model, dtype="float32", progress=False, draft_head_bits=4)}
+    for bits in ("int8", "int4"):
+        m = heads[bits]
+        heads[f"{bits}_mtp8"] = dataclasses.replace(m, params=quantize_mtp(jax.tree.map(lambda a: a, m.params)))
     model = heads["int8"]
     if model.tokenizer is None or "draft_head" not in model.params:
         raise SystemExit("needs a checkpoint with a tokenizer and an MTP head")

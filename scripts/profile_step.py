@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_decode import (  # noqa: E402
-    LAYOUTS, draft_head_bytes, random_model, step_bytes, synthetic_engine, timed_loops)
+    LAYOUTS, draft_head_bytes, mtp_bytes, random_model, step_bytes, synthetic_engine, timed_loops)
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.pallas import override_backend, resolve_backend  # noqa: E402
 
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
             r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top,
                         args.hlo_dir)
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
-                                           head_bytes=draft_head_bytes(model.params))["total"]
+                                           head_bytes=draft_head_bytes(model.params),
+                                           mtp_stored=mtp_bytes(model.params))["total"]
             result["runs"].append(r)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

@@ -3,12 +3,14 @@
 import collections
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 import jaxmtp
 from hf_builders import EOS, VOCAB
 from jaxmtp.engine import Engine, EngineConfigError
+from jaxmtp.param_layout import has_quantized_mtp, quantize_mtp
 from jaxmtp.sampling import SamplingParams
 
 
@@ -72,6 +74,20 @@ def test_greedy_speculative_equals_plain_for_every_k(engines, rng, kind):
             assert st.steps > 0 and st.drafted == k * st.steps
     for k in range(1, 5):
         assert [t for t, _ in outputs[k]] == [t for t, _ in outputs[0]], f"k={k} differs from plain decoding"
+
+
+def test_int8_mtp_layer_leaves_the_output_unchanged(models, engines, rng):
+    """With the MTP layer's weights int8 (jaxmtp.param_layout.quantize_mtp: drafts only) k = 3 still gives exactly
+    the plain greedy tokens."""
+    model = models["dense"]
+    quantized = dataclasses.replace(model, params=quantize_mtp(jax.tree.map(lambda a: a, model.params)))
+    assert has_quantized_mtp(quantized.params) and not has_quantized_mtp(model.params)
+    prompts = mixed_prompts(rng)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = run(engines("dense", 0), prompts, params)
+    spec = run(Engine(quantized, num_draft_tokens=3, **SETTINGS), prompts, params)
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    assert all(o.stats.drafted == 3 * o.stats.steps > 0 for _, o in spec)
 
 
 @pytest.fixture(scope="module")

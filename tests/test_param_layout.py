@@ -15,8 +15,9 @@ from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_p
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import quantized_linear
 from jaxmtp.pallas.matmul.reference import unpack_int4
-from jaxmtp.param_layout import (add_draft_head, default_draft_head_bits, fuse_projections, native_layout,
-                                 quantize_rows, quantize_rows_int4, serving_layout)
+from jaxmtp.config import ConfigError
+from jaxmtp.param_layout import (add_draft_head, default_draft_head_bits, fuse_projections, has_quantized_mtp,
+                                 native_layout, quantize_mtp, quantize_rows, quantize_rows_int4, serving_layout)
 
 
 def _config(moe: bool) -> Qwen35Config:
@@ -221,3 +222,52 @@ def test_default_draft_head_is_int4_where_the_gpu_kernel_reads_it():
     params = serving_layout(init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1), backend=gpu,
                             draft_head_bits=8)
     assert params["draft_head"]["weight"].dtype == jnp.int8
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_int8_mtp_layer_tracks_the_exact_layer(rng, moe):
+    """quantize_mtp: every 2-D product weight of the MTP layer becomes int8 [N, K] with a per-row scale within half a
+    step of the float64 weight; a 4-token draft pass (the verify window's) and a one-token pass on the int8 layer,
+    with the kernels (Pallas interpreter) and with XLA, stay close to the exact layer's output; the layout cannot be
+    exported."""
+    cfg = _config(moe)
+    native = init_params(cfg, jax.random.key(11), jnp.float32, scale=0.1)
+    exact = serving_layout(_copy(native), backend=Backend(out_matmul="triton_interpret"))
+    backend = Backend(out_matmul="triton_interpret", mtp_matmul="triton_interpret", draft_head="triton_interpret")
+    quant = serving_layout(_copy(native), backend=backend)
+    assert not has_quantized_mtp(exact) and has_quantized_mtp(quant)
+    layer = quant["mtp"]["layers"][0]
+    mlp = layer["mlp"]["shared_expert"] if moe else layer["mlp"]
+    weights = {"fc": (quant["mtp"]["fc"], native["mtp"]["fc"]),
+               "qkv_proj": (layer["self_attn"]["qkv_proj"], exact["mtp"]["layers"][0]["self_attn"]["qkv_proj"]),
+               "o_proj": (layer["self_attn"]["o_proj"], native["mtp"]["layers"][0]["self_attn"]["o_proj"]),
+               "down_proj": (mlp["down_proj"], (native["mtp"]["layers"][0]["mlp"]["shared_expert"] if moe
+                                                else native["mtp"]["layers"][0]["mlp"])["down_proj"])}
+    for name, (qw, w) in weights.items():
+        w = np.asarray(w, np.float64).T  # [N, K]
+        q, scale = np.asarray(qw["weight"]), np.asarray(qw["scale"], np.float64)
+        assert q.dtype == np.int8 and q.shape == w.shape, name
+        assert np.all(np.abs(q * scale[:, None] - w) <= scale[:, None] / 2 * (1 + 1e-6)), name
+    if moe:
+        assert layer["mlp"]["experts"]["down_proj"].dtype == jnp.float32  # 3-D expert weights stay as they are
+    b, t = 2, 4
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def run(params, be, sl):
+        carry = init_mtp_carry(cfg, b, 16, jnp.float32)
+        return np.asarray(mtp_forward(params, tokens[:, sl], hidden[:, sl], positions[:, sl], carry, cfg=cfg,
+                                      backend=be)[1], np.float64)
+
+    for sl in (slice(0, t), slice(0, 1)):  # the verify window's pass, a recursive one-token pass
+        want = run(exact, Backend(out_matmul="triton_interpret"), sl)
+        kernel, ref = run(quant, backend, sl), run(quant, Backend(mtp_matmul="xla"), sl)
+        np.testing.assert_allclose(kernel, ref, atol=1e-5, rtol=0)  # the int8 kernels compute the int8 reference
+        err = np.linalg.norm(kernel - want) / np.linalg.norm(want)
+        assert 1e-5 < err < 2e-2, err  # int8 moves the drafts' hidden a little, not much
+    with pytest.raises(ConfigError, match="int8"):
+        native_layout(quant, cfg)
+    assert not has_quantized_mtp(serving_layout(_copy(native), backend=backend, draft_head=False))  # exact drafts
+    again = quantize_mtp(_copy(exact))
+    assert has_quantized_mtp(again)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import jax
 
-from jaxmtp.pallas.matmul import output_linear
+from jaxmtp.pallas.matmul import is_quantized, output_linear
 
 # Projections that end a block (their output joins the residual stream). The serving layout may store them
 # transposed, ``[N, K]`` under ``name + "_t"`` (:func:`jaxmtp.param_layout.set_output_layout`), for a one-row
@@ -37,7 +37,11 @@ def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
     if fused == "qkv_proj":
         kv = cfg.num_key_value_heads * cfg.head_dim
         return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
-    i = p["down_proj_t"].shape[1] if "down_proj_t" in p else p["down_proj"].shape[0]  # SwiGLU: gate, up I wide
+    if "down_proj_t" in p:  # SwiGLU: gate and up are I wide, down_proj's input
+        i = p["down_proj_t"].shape[1]
+    else:
+        w = p["down_proj"]
+        i = w["weight"].shape[1] if is_quantized(w) else w.shape[0]
     return (i, i)
 
 

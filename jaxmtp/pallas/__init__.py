@@ -35,6 +35,10 @@ class Backend:
     # serving layout store their weights [N, K] and run one-row products without a split along K, the MLP's SwiGLU
     # folded in (jaxmtp.pallas.matmul.output_linear)
     out_matmul: str = "xla"
+    # the MTP layer's products: a kernel name makes the serving layout store its 2-D weights as int8 with a scale per
+    # output channel (jaxmtp.param_layout.quantize_mtp; drafts only, outputs unchanged) and run them with the
+    # quantised kernels (jaxmtp.pallas.matmul.quantized_linear)
+    mtp_matmul: str = "xla"
 
 
 XLA = Backend()
@@ -96,6 +100,11 @@ MATMUL_KERNEL_MAX_HIDDEN = 2048
 # batch-1 step 1.6% faster at the 4B shape (hidden 2560), 2.7% at 0.8B (1024), 3.9% at 35B-A3B (2048), and 3.8%
 # slower at 9B (4096), where N is large enough for XLA's products not to split K; k = 3 and batch 32 within +-1%.
 OUT_MATMUL_MAX_HIDDEN = 2560
+# Run 13 (alternating in one process): the int8 MTP layer (mtp_matmul) made the batch-1 k = 3 step 1.0% faster at
+# the 4B shape (H200; 0.5% on an H100 before the int8 one-row tiles were retuned) and 1.2-1.6% at 9B (H200, H100),
+# batch 32 0.2-0.5%; the 0.8B's moved within the rounds' spread (+-1.4%); 27B unmeasured. Acceptance on the default
+# model: 3.234 against 3.241 with the int8 head, 3.214 against 3.200 with the int4 head.
+MTP_INT8_MAX_HIDDEN = 4096
 
 
 def _auto_backend(platform: str, cfg=None, dtype=None) -> Backend:
@@ -107,6 +116,8 @@ def _auto_backend(platform: str, cfg=None, dtype=None) -> Backend:
         backend = dataclasses.replace(backend, matmul=TRITON)
     if platform == "gpu" and cfg is not None and cfg.hidden_size <= OUT_MATMUL_MAX_HIDDEN:
         backend = dataclasses.replace(backend, out_matmul=TRITON)
+    if platform == "gpu" and cfg is not None and cfg.hidden_size <= MTP_INT8_MAX_HIDDEN:
+        backend = dataclasses.replace(backend, mtp_matmul=TRITON)
     return backend
 
 

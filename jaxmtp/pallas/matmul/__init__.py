@@ -36,8 +36,18 @@ GEMV_MAX_ROWS = 1
 W4A8_MAX_ROWS = 4
 
 
+def is_quantized(w) -> bool:
+    """Whether ``w`` is a quantised weight ``{"weight": int8 [N, K], "scale": float32 [N]}``
+    (:func:`jaxmtp.param_layout.quantize_mtp`) rather than an array."""
+    return isinstance(w, dict) and "scale" in w
+
+
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
-    """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``), or a quantised weight (:func:`is_quantized`, run by
+    :func:`quantized_linear`). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    if is_quantized(w):
+        y = quantized_linear(x, w["weight"], w["scale"], implementation=implementation)
+        return y.astype(out_dtype or x.dtype)
     if implementation in (TRITON, TRITON_INTERPRET) and w.size >= MIN_WEIGHT_ELEMENTS:
         n = w.shape[0] if transpose_w else w.shape[1]
         rows = math.prod(x.shape[:-1])
@@ -57,7 +67,11 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
     the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``
     (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
-    dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`."""
+    dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`. A
+    quantised ``w_t`` (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU."""
+    if is_quantized(w_t):
+        xin = swiglu_reference(x, w_t["weight"].shape[1]) if swiglu else x
+        return quantized_linear(xin, w_t["weight"], w_t["scale"], implementation=implementation).astype(x.dtype)
     kdim = w_t.shape[1]
     rows = math.prod(x.shape[:-1])
     if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_GEMV_MAX_ROWS
@@ -95,6 +109,6 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return quantized_matmul_reference(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "gemv_matmul_triton", "linear", "matmul_reference", "output_linear", "quantized_linear",
+__all__ = ["MAX_ROWS", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference", "output_linear", "quantized_linear",
            "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
            "w4a8_matmul_reference", "w4a8_matmul_triton"]

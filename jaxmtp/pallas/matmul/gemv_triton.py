@@ -61,13 +61,19 @@ def supports(m: int, k: int, n: int, transpose_w: bool, w_dtype) -> bool:
 def plan(k: int, n: int, transpose_w: bool, w_dtype):
     """Default ``(BN, BK, splits, num_warps, num_stages)``. Quantised (the draft head): the H100 sweep of
     scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head).
-    Floating ``[N, K]`` (a block's output product): a few rows per program, long steps along K (H100 sweep,
-    docs/performance.md run 12). ``[K, N]`` bf16 weights stay with XLA in the engine (its split-K products were faster
-    than this kernel's)."""
+    int8 with N <= 65536 (the int8 MTP layer's products): fewer rows per program and longer steps, so that N of a
+    few thousand still gives enough programs (H100 sweep at the 4B MTP shapes, docs/performance.md run 13: N = 2560
+    products 1.4-2.3x faster than with the head's tiles). Floating ``[N, K]`` (a block's output product): a few rows
+    per program, long steps along K (H100 sweep, docs/performance.md run 12). ``[K, N]`` bf16 weights stay with XLA in
+    the engine (its split-K products were faster than this kernel's)."""
     bn = 16 if n % 16 == 0 else 8
     if jnp.dtype(w_dtype) == jnp.uint8:
         return bn, INT4_BLOCK, 1, 4, 4
     if transpose_w and jnp.dtype(w_dtype) == jnp.int8:
+        if n <= 4096 and n % 2 == 0:
+            return 2, next(b for b in (1024, 512, 256, 128) if k % b == 0), 1, 4, 2
+        if n <= 65536 and n % 8 == 0:
+            return 8, next(b for b in (512, 256, 128) if k % b == 0), 1, 4, 2
         return bn, 256 if k % 256 == 0 else 128, 1, 4, 4
     if transpose_w:
         bk = next(b for b in (1024, 512, 256, 128) if k % b == 0)
