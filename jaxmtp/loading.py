@@ -171,7 +171,7 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     copy of the LM head for the drafts (outputs unchanged; on a GPU int4 where the hidden size is a multiple of 128,
     costing V x H / 2 bytes of memory, else int8, V x H; ``draft_head_bits`` chooses: 8 drafts a little closer to the
     exact head, 4 reads half the bytes; :func:`jaxmtp.param_layout.default_draft_head_bits`) and, on a GPU for
-    hidden sizes up to 2560, the MTP layer's weights as int8 (:func:`jaxmtp.param_layout.quantize_mtp`; drafts only,
+    hidden sizes up to 4096, the MTP layer's weights as int8 (:func:`jaxmtp.param_layout.quantize_mtp`; drafts only,
     outputs unchanged; ``int8_draft_head=False`` drafts with the exact head and layer). ``draft_vocab`` (token
     ids, or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
     N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).

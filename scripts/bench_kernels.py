@@ -796,7 +796,8 @@ def section_sweep_final():
 
 SECTIONS = {
     "ceilings": section_ceilings, "check": section_check, "model": section_model, "fla_check": section_fla_check,
-    "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk, "attention": section_attention, "moe": section_moe,
+    "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk,
+    "attention": section_attention, "moe": section_moe,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
 }
 

@@ -6,9 +6,10 @@ default model (or ``--model``).
 
 Teacher-forced over the first ``--tokens`` tokens of ``--files`` standard-library files: ``Model.draft_logits`` with
 the int8 and the int4 draft head (each also with the MTP layer's weights int8, ``jaxmtp.param_layout.quantize_mtp``:
-``*_mtp8``, the GPU default for hidden sizes <= 2560 is ``int4_mtp8``) and with ``exact_head=True``; reports how often their argmax agree and how often
-each equals the target's greedy next token (what acceptance depends on). Then the acceptance length of real greedy
-generation with k = 3 from ``--prompts`` held-out code prompts (``scripts/eval_default_model.py``'s) with each head.
+``*_mtp8``; the GPU default for hidden sizes <= 4096 is ``int4_mtp8``) and with ``exact_head=True``; reports how
+often their argmax agree and how often each equals the target's greedy next token (what acceptance depends on).
+Then the acceptance length of real greedy generation with k = 3 from ``--prompts`` held-out code prompts
+(``scripts/eval_default_model.py``'s) with each head.
 """
 
 from __future__ import annotations

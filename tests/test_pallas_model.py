@@ -91,6 +91,8 @@ def test_backend_registry():
     assert _auto_backend("gpu", small).matmul == "triton"  # XLA's single-row products are slow at small hidden
     assert _auto_backend("gpu", large).matmul == "xla"
     assert _auto_backend("gpu", small).out_matmul == "triton" and _auto_backend("gpu", large).out_matmul == "xla"
+    largest = dataclasses.replace(small, hidden_size=5120)  # int8 MTP layer up to the 9B's hidden size (measured)
+    assert _auto_backend("gpu", large).mtp_matmul == "triton" and _auto_backend("gpu", largest).mtp_matmul == "xla"
     assert _auto_backend("cpu", small) == XLA
     real_heads = dataclasses.replace(small, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128)
     assert _auto_backend("gpu", real_heads, jnp.float32) == XLA  # kernels are tiled for 16-bit weights

@@ -8,8 +8,8 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
    ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
    token budget;
 3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
-   :func:`jaxmtp.layers.gated_deltanet.select_steps`, all layers in one kernel); KV caches just advance ``length`` (rows past it are stale
-   and overwritten later);
+   :func:`jaxmtp.layers.gated_deltanet.select_steps`, every layer in one kernel launch); KV caches just advance
+   ``length`` (rows past it are stale and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states, row ``a``
    gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
 

@@ -101,7 +101,7 @@ MATMUL_KERNEL_MAX_HIDDEN = 2048
 # slower at 9B (4096), where N is large enough for XLA's products not to split K; k = 3 and batch 32 within +-1%.
 OUT_MATMUL_MAX_HIDDEN = 2560
 # Run 13 (alternating in one process): the int8 MTP layer (mtp_matmul) made the batch-1 k = 3 step 1.0% faster at
-# the 4B shape (H200; 0.5% on an H100 before the int8 one-row tiles were retuned) and 1.2-1.6% at 9B (H200, H100),
+# the 4B shape (H200; 0.5% on an H100 before the int8 one-row tiles were retuned) and 0.7-1.6% at 9B (H200, H100),
 # batch 32 0.2-0.5%; the 0.8B's moved within the rounds' spread (+-1.4%); 27B unmeasured. Acceptance on the default
 # model: 3.234 against 3.241 with the int8 head, 3.214 against 3.200 with the int4 head.
 MTP_INT8_MAX_HIDDEN = 4096

@@ -78,7 +78,8 @@ def commit_gated_delta_rule(k, v, g, beta, state, implementation="xla"):
 
 
 # Up to this many rows the Triton commit runs every layer in one launch; with more, one launch per layer. H100, 4B
-# shapes (24 layers, T = 4; docs/performance.md, run 13): 1 row 57 against 168 us, 8 rows 354-372 against 323 us.
+# shapes (24 layers, T = 4; docs/performance.md, run 13): 1 row 64 against 159 us, 4 rows 175 against 200 us, 8 rows
+# 351 against 266 us.
 COMMIT_ONE_LAUNCH_MAX_ROWS = 4
 
 

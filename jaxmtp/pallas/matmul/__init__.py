@@ -109,6 +109,6 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     return quantized_matmul_reference(x, q, scale)
 
 
-__all__ = ["MAX_ROWS", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference", "output_linear", "quantized_linear",
-           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
+__all__ = ["MAX_ROWS", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference", "output_linear",
+           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
            "w4a8_matmul_reference", "w4a8_matmul_triton"]
