@@ -33,7 +33,8 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import is_quantized, linear, quantized_linear
+from jaxmtp.pallas.matmul import linear, quantized_linear
+from jaxmtp.param_layout import has_quantized_mtp
 from jaxmtp.pallas.norms import add_rms_norm
 
 Params = dict[str, Any]
@@ -227,7 +228,7 @@ def describe_draft_head(params: Params, vocab_size: int) -> str:
     kind = {"int8": "int8", "uint8": "int4"}.get(str(w.dtype), str(w.dtype))
     rows = f"{int(np.unique(np.asarray(dh['ids'])).size)} hot ids of {vocab_size}" if "ids" in dh else \
         f"all {vocab_size} ids"
-    layer = "; MTP layer int8" if is_quantized(params.get("mtp", {}).get("fc")) else ""
+    layer = "; MTP layer int8" if has_quantized_mtp(params) else ""
     return f"{kind} copy of the LM head, {rows}{layer}"
 
 
@@ -297,7 +298,7 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
     # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
-    layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if is_quantized(mp["fc"]) else backend
+    layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if has_quantized_mtp(params) else backend
     e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
     z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=layer_backend.matmul)

@@ -91,10 +91,15 @@ def set_output_layout(params: dict, transposed: bool) -> dict:
     return params
 
 
+def _names_kernel(backend, field: str) -> bool:
+    """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) names a Triton kernel for ``field``."""
+    return backend is not None and getattr(backend, field) in (TRITON, TRITON_INTERPRET)
+
+
 def transposes_outputs(backend) -> bool:
     """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) wants :func:`set_output_layout`'s transposed
     weights: its ``out_matmul`` is a kernel (on XLA's paths the [K, N] weights measured as fast or faster)."""
-    return backend is not None and backend.out_matmul in (TRITON, TRITON_INTERPRET)
+    return _names_kernel(backend, "out_matmul")
 
 
 # The MTP layer's products quantised by quantize_mtp (fused or not; output projections plain or transposed).
@@ -122,16 +127,14 @@ def quantize_mtp(params: dict) -> dict:
 
 
 def has_quantized_mtp(params: dict) -> bool:
-    """Whether :func:`quantize_mtp` was applied to ``params``."""
-    found = []
-    _walk_dicts(params.get("mtp", {}), lambda d: found.extend(n for n in d if is_quantized(d[n])))
-    return bool(found)
+    """Whether :func:`quantize_mtp` was applied to ``params`` (it always quantises the MTP head's ``fc``)."""
+    return is_quantized(params.get("mtp", {}).get("fc"))
 
 
 def quantizes_mtp(backend) -> bool:
     """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) wants :func:`quantize_mtp`'s int8 MTP weights:
     its ``mtp_matmul`` is a kernel."""
-    return backend is not None and backend.mtp_matmul in (TRITON, TRITON_INTERPRET)
+    return _names_kernel(backend, "mtp_matmul")
 
 
 def fuse_projections(params: dict) -> dict:
@@ -240,7 +243,9 @@ def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
     check_draft_head_options(draft_head, draft_head_bits)
     fuse_projections(params)
     set_output_layout(params, transposes_outputs(backend))
-    if quantize_mtp_layer if quantize_mtp_layer is not None else (draft_head and quantizes_mtp(backend)):
+    if quantize_mtp_layer is None:
+        quantize_mtp_layer = draft_head and quantizes_mtp(backend)
+    if quantize_mtp_layer:
         quantize_mtp(params)
     if "mtp" in params and (draft_head or draft_vocab is not None):
         bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)

@@ -139,7 +139,9 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head
     if k > 0:  # each draft reads the draft head; the window's pass and k - 1 recursive ones read the MTP layer
         head = head_bytes if head_bytes is not None else cfg.vocab_size * cfg.hidden_size * dtype_bytes
         full = sum(nbytes for name, nbytes in leaves if "'mtp'" in name)
-        stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0  # int8 MTP weights
+        # int8 MTP weights: the stored share of bf16 bytes, applied to every MTP leaf (an MoE MTP layer's routed
+        # experts stay bf16, so there it undercounts them)
+        stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0
         weights += k * head + stored * (touched(True, batch * (k + 1)) + (k - 1) * touched(True, batch))
     weights = int(weights)
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
