@@ -94,13 +94,18 @@ def _filter(logits, top_k, top_p):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def greedy_tokens(logits):
+    """The argmax token at each (row, position): logits [B, T, V] -> int32 [B, T]."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(logits, temperature, top_k, top_p, seed_lo, seed_hi, index):
     """Choose the token at each (row, position).
 
     logits: [B, T, V] float32; temperature/top_p: [B] f32; top_k: [B] int32; seed_lo/seed_hi: [B] uint32;
     index: [B, T] int32 output positions (the j in key(seed, j)). Returns int32 [B, T].
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     sampling = temperature > 0
 
     def sampled(_):

@@ -225,7 +225,7 @@ def timed_loops(eng: Engine, params, n: int) -> list[tuple[float, dict]]:
     res = []
     for _ in range(n):
         t0 = time.perf_counter()
-        eng.state, out = eng._run(params, eng.state)
+        eng.state, out = eng.device_loop()(params, eng.state)
         out = jax.device_get(out)
         res.append((time.perf_counter() - t0, out))
     return res
@@ -238,7 +238,7 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
     _COMPILE_S[0] = 0.0
     t0 = time.perf_counter()
-    eng.state, out = eng._run(model.params, eng.state)
+    eng.state, out = eng.device_loop()(model.params, eng.state)
     jax.block_until_ready(out)
     first = time.perf_counter() - t0
     compile_s = _COMPILE_S[0]
@@ -318,7 +318,7 @@ def bench_lone_request(model, slots: int, k: int, context: int, syncs: int, step
                      steps_per_sync=steps_per_sync, check_memory=False)
         fill_synthetic(eng, context, 3)
         eng.state = eng.state.replace(active=eng.state.active.at[1:].set(False))
-        run = eng._run_prefix[1] if name == "bucket" else eng._run
+        run = eng.device_loop(1 if name == "bucket" else None)
         eng.state, o = run(model.params, eng.state)
         jax.block_until_ready(o)
         times = []

@@ -109,6 +109,19 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
     sequence = [{"op": e.get("args", {}).get("hlo_op") or e["name"], "us": e["dur"],
                  "gap_us": e["ts"] - (p["ts"] + p["dur"])}
                 for p, e in zip(ordered[mid - 1 : mid + per_step], ordered[mid : mid + per_step])]
+    # Host work (dispatch, command-buffer updates, transfers) and the device's longest idle stretches: where the
+    # wall time that no kernel covers goes.
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for (proc, thr), evs in groups.items():
+        if not is_device_stream(proc, thr) and "host" in proc.lower():
+            for e in evs:
+                host[e["name"]][0] += 1
+                host[e["name"]][1] += e["dur"]
+    host_ops = sorted(({"name": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps}
+                       for k, v in host.items()), key=lambda r: -r["us_per_step"])
+    gaps = sorted(({"gap_us": e["ts"] - (p["ts"] + p["dur"]), "after": p.get("args", {}).get("hlo_op") or p["name"],
+                    "before": e.get("args", {}).get("hlo_op") or e["name"], "index": i}
+                   for i, (p, e) in enumerate(zip(ordered, ordered[1:]))), key=lambda r: -r["gap_us"])
     return {
         "wall_ms_per_step": wall_s / steps * 1e3,
         "kernels_per_step": len(kernels) / steps,
@@ -118,32 +131,37 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
         "top_ops": ops[:top],
         "by_kind": kinds[:top],
         "threads": sorted(threads, key=lambda r: -r["total_us"])[:40],
+        "host_ops": host_ops[:top],
+        "idle_gaps": gaps[:top],
         "sequence": sequence,  # one step's worth of kernels in launch order, from the middle of the trace
     }
 
 
 def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, top: int,
-            hlo_dir: str | None = None) -> dict:
+            hlo_dir: str | None = None, sampling: bool = False) -> dict:
+    """One (batch, k) loop traced; ``sampling``: the engine's loop with the sampling conditional (else greedy only)."""
     room = steps_per_sync * (syncs + 3) * (k + 1) + 16
     eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
     if hlo_dir:  # the optimised HLO of the step loop, to trace kernels (copies, fusions) back to their sources
         os.makedirs(hlo_dir, exist_ok=True)
-        with open(os.path.join(hlo_dir, f"step_b{batch}_k{k}.hlo.txt"), "w") as f:
-            f.write(eng._run.lower(model.params, eng.state).compile().as_text())
+        with open(os.path.join(hlo_dir, f"step_b{batch}_k{k}{'_sampling' if sampling else ''}.hlo.txt"), "w") as f:
+            f.write(eng.device_loop(sampling=sampling).lower(model.params, eng.state).compile().as_text())
+    eng.device_loop = lambda *_, f=eng.device_loop(sampling=sampling): f  # noqa: E731  (what timed_loops runs)
     timed_loops(eng, model.params, 2)  # compile and warm
     untraced = [dt for dt, _ in timed_loops(eng, model.params, syncs)]
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         t0 = time.perf_counter()
         for _ in range(syncs):
-            eng.state, out = eng._run(model.params, eng.state)
+            eng.state, out = eng.device_loop()(model.params, eng.state)
             jax.device_get(out)
         wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
         groups = read_trace(d)
     steps = syncs * steps_per_sync
     res = summarise(groups, steps, wall, top)
-    res.update(batch=batch, k=k, context=context, untraced_step_ms=float(np.median(untraced)) / steps_per_sync * 1e3)
+    res.update(batch=batch, k=k, context=context, sampling=sampling,
+               untraced_step_ms=float(np.median(untraced)) / steps_per_sync * 1e3)
     del eng
     return res
 
@@ -163,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
     ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="profile_step.json")
+    ap.add_argument("--sampling", default="0", help="'0', '1' or '0,1': profile the greedy-only loop, the loop "
+                    "with the sampling conditional (what the engine runs while a busy slot samples), or both")
     ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
     args = ap.parse_args(argv)
 
@@ -186,16 +206,16 @@ def main(argv=None) -> int:
               "command": " ".join(sys.argv), "runs": []}
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
-        for k in ks.split(","):
+        for k, sampling in ((k, s) for k in ks.split(",") for s in args.sampling.split(",")):
             r = profile(model, int(b), int(k), args.context, args.syncs, args.steps_per_sync, args.top,
-                        args.hlo_dir)
+                        args.hlo_dir, sampling=bool(int(sampling)))
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
                                            head_bytes=draft_head_bytes(model.params),
                                            mtp_stored=mtp_bytes(model.params))["total"]
             result["runs"].append(r)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-            print(f"{args.model} B={b} k={k}: step {r['wall_ms_per_step']:.2f} ms traced "
+            print(f"{args.model} B={b} k={k} sampling={sampling}: step {r['wall_ms_per_step']:.2f} ms traced "
                   f"({r['untraced_step_ms']:.2f} untraced), {r['kernels_per_step']:.0f} kernels, device busy "
                   f"{r['device_busy_ms_per_step']:.2f} ms", flush=True)
             if not r["kernels_per_step"]:

@@ -183,6 +183,23 @@ def test_seeded_sampling_is_identical_for_every_k_and_batch(engines, rng):
     assert alone[0][0] != other_seed[0][0]  # another seed gives another sample
 
 
+def test_greedy_tokens_are_unchanged_beside_sampled_ones(engines, rng):
+    """The engine runs a greedy-only loop while no busy request samples and its sampling loop otherwise: greedy
+    requests give their tokens alone (greedy loop only) also beside a sampled request and across the switch back
+    to the greedy loop when it ends."""
+    eng = engines("dense", 2)
+    prompts = mixed_prompts(rng, (9, 23, 14))
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    sampled_before = eng.trace_counts["step+sampling"]
+    alone = [t for t, _ in run(eng, prompts[:2], greedy)]
+    assert eng.trace_counts["step+sampling"] == sampled_before  # greedy requests alone never ran the sampling loop
+    mixed = run(eng, prompts, [greedy, greedy, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3,
+                                                              ignore_eos=True)])
+    assert eng.trace_counts["step+sampling"] == 1 and eng.trace_counts["step"] == 1
+    assert [t for t, _ in mixed[:2]] == alone
+    assert len(mixed[2][0]) == 4
+
+
 CHI2_CRIT_DF15_P001 = 37.697  # chi-square critical value, 15 degrees of freedom, p = 0.001
 
 

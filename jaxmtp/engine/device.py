@@ -28,7 +28,7 @@ from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
 from jaxmtp.model import draft_head, draft_tokens, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
 from jaxmtp.pallas import Backend
-from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
+from jaxmtp.sampling import MAX_STOP_IDS, greedy_tokens, sample_tokens
 
 NONE, STOP, LENGTH = 0, 1, 2  # finish reasons on the device
 
@@ -207,15 +207,21 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     return new_state, first, finished & final, reason
 
 
-def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: Backend):
-    """One verify/accept/rollback/draft step for every slot. Returns (state, StepOut dict)."""
+def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: Backend, sampling: bool = True):
+    """One verify/accept/rollback/draft step for every slot. Returns (state, StepOut dict).
+
+    ``sampling=False`` compiles greedy choice only: right when no slot that counts has temperature > 0, and without
+    the sampling conditional, whose predicate costs a host round trip inside the step on GPUs (docs/engine.md)."""
     act = state.active
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)  # [S, k+1]
     pos = jnp.where(act[:, None], state.length[:, None] + jnp.arange(k + 1), -1)
     logits, hidden, carry = forward(params, tokens, pos, state.carry, cfg=cfg, logits="all", step_states=k > 0,
                                     backend=backend)
     index = state.generated[:, None] + jnp.arange(k + 1)
-    t = sample_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index)
+    if sampling:
+        t = sample_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index)
+    else:
+        t = greedy_tokens(logits)
     if k > 0:
         a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
         n = a + 1
@@ -280,13 +286,14 @@ def run_steps_on_prefix(params, state: SlotState, *, n: int, **kw):
 
 
 def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend,
-              skip_idle: bool = True, unroll: int = 1):
+              skip_idle: bool = True, unroll: int = 1, sampling: bool = True):
     """``num_steps`` speculative steps in one device loop (with ``skip_idle``, steps with no active slot are skipped
-    by a conditional; else they run masked). ``unroll``: steps per loop iteration (``lax.scan``'s).
+    by a conditional; else they run masked). ``unroll``: steps per loop iteration (``lax.scan``'s). ``sampling``: as
+    :func:`spec_step` (False: every active slot is greedy).
 
     Returns (state, outputs stacked over steps: tokens [N, S, k+1], n_emit/accepted/finished/reason [N, S]).
     """
-    step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend)
+    step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend, sampling=sampling)
     s = state.length.shape[0]
 
     def body(st, _):

@@ -183,19 +183,20 @@ class Engine:
         self._set_oracle = jax.jit(device.set_oracle_row, donate_argnums=0)
         self._prefill = jax.jit(counted("prefill", functools.partial(device.prefill_chunk, cfg=cfg, k=self.k,
                                                                      backend=backend)), donate_argnums=1)
-        self._run = jax.jit(counted("step", functools.partial(device.run_steps, cfg=cfg, k=self.k,
-                                                              num_steps=steps_per_sync, backend=backend)),
-                            donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
         self._move = jax.jit(counted("move", device.move_slots), donate_argnums=0)
-        self._run_prefix = {
-            n: jax.jit(counted(f"step[{n}]", functools.partial(device.run_steps_on_prefix, n=n, cfg=cfg, k=self.k,
-                                                                num_steps=steps_per_sync, backend=backend)),
-                       donate_argnums=1)
-            for n in self.slot_buckets if n < num_slots
-        }
+
+        def loop(width, sampling):
+            name = ("step" if width == num_slots else f"step[{width}]") + ("+sampling" if sampling else "")
+            run = device.run_steps if width == num_slots else functools.partial(device.run_steps_on_prefix, n=width)
+            return jax.jit(counted(name, functools.partial(run, cfg=cfg, k=self.k, num_steps=steps_per_sync,
+                                                           backend=backend, sampling=sampling)), donate_argnums=1)
+
+        # Each width twice: greedy only, and with sampling. The greedy loop has no sampling conditional, whose
+        # predicate costs a host round trip inside every step on GPUs (3.9% of the 4B plain step, docs/engine.md).
+        self._loops = {(w, sampling): loop(w, sampling) for w in self.slot_buckets for sampling in (False, True)}
 
         self._lock = threading.RLock()
         self._queue: collections.deque[_Request] = collections.deque()
@@ -428,10 +429,18 @@ class Engine:
             req.slot, self._slots[b], self._slots[a] = b, req, None
         return width
 
+    def device_loop(self, width: int | None = None, sampling: bool | None = None):
+        """The jitted loop of ``steps_per_sync`` steps over slots ``0 .. width-1`` (a slot bucket; default all):
+        ``(params, state) -> (state, outputs)``. ``sampling`` None: with sampling if a busy slot among them has
+        temperature > 0, else greedy only (benchmarks and profiles call it as the engine does)."""
+        width = self.num_slots if width is None else width
+        if sampling is None:
+            sampling = any(r is not None and not r.done and r.params.temperature > 0 for r in self._slots[:width])
+        return self._loops[width, sampling]
+
     def _decode(self, outputs):
         width = self._pack_slots() if len(self.slot_buckets) > 1 else self.num_slots
-        run = self._run_prefix.get(width, self._run)
-        self.state, out = run(self.model.params, self.state)
+        self.state, out = self.device_loop(width)(self.model.params, self.state)
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
@@ -515,10 +524,9 @@ class Engine:
             if rows >= self.max_prefill_batch:
                 break
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
-        self.state, out = self._run(self.model.params, self.state)
-        for run in self._run_prefix.values():
+        for run in self._loops.values():
             self.state, out = run(self.model.params, self.state)
-        if self._run_prefix:
+        if len(self.slot_buckets) > 1:
             none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
             self.state = self._move(self.state, none, none)
         jax.block_until_ready(out)
