@@ -15,8 +15,10 @@ JSON is written after every measurement (partial results survive a time limit); 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import importlib
 import json
 import math
 import os
@@ -182,7 +184,8 @@ def bench_prefill_ab(model, prompt_len: int, chunk: int, variants: list[str], ro
     engines = []
     for spec in variants:
         eng = prefill_engine(variant_model(model, spec), prompt_len, chunk)
-        timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
+        with variant_constants(spec):
+            timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
         engines.append(eng)
     times: list[list[float]] = [[] for _ in variants]
     for r in range(rounds):
@@ -262,11 +265,36 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     }
 
 
+def split_spec(spec: str) -> tuple[str, dict]:
+    """An A/B variant ``"name=value,..."`` -> (its backend overrides, its module constants): an item ``mod.NAME=int``
+    sets ``jaxmtp.pallas.mod.NAME`` (a dispatch threshold such as ``matmul.OUTPUT_SKINNY_MAX_ROWS``) while that
+    variant compiles (:func:`variant_constants`)."""
+    items = [x for x in spec.split(",") if x]
+    consts = {a: int(b) for a, _, b in (x.partition("=") for x in items if "." in x.partition("=")[0])}
+    return ",".join(x for x in items if "." not in x.partition("=")[0]), consts
+
+
+@contextlib.contextmanager
+def variant_constants(spec: str):
+    """Set the module constants of ``spec`` (:func:`split_spec`) for the block, restoring them after."""
+    saved = []
+    try:
+        for name, value in split_spec(spec)[1].items():
+            mod, attr = name.rsplit(".", 1)
+            module = importlib.import_module(f"jaxmtp.pallas.{mod}")
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+
+
 def variant_model(model, spec: str):
     """``model`` with the backend overrides ``spec`` (``"name=value,..."``), its params in the layout that backend
     reads (the output projections transposed or not, the MTP layer int8 or not: arrays shared otherwise). An A/B
     model is built with an exact MTP layer (``--ab``), since int8 cannot be undone."""
-    m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+    m = dataclasses.replace(model, backend=override_backend(model.backend, split_spec(spec)[0]))
     params = model.params
     if transposes_outputs(m.backend) != transposes_outputs(model.backend):
         params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend))  # new dicts
@@ -289,7 +317,8 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
     for spec in variants:
         m = variant_model(model, spec)
         eng = synthetic_engine(m, batch, k, context, room, steps_per_sync)
-        timed_loops(eng, m.params, 1)  # compile
+        with variant_constants(spec):
+            timed_loops(eng, m.params, 1)  # compile
         engines.append((m, eng))
     times: list[list[float]] = [[] for _ in variants]
     for _ in range(rounds):
@@ -413,7 +442,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--override", default="", help="backend fields to set, e.g. gdn_mixer=xla,norm=triton")
     ap.add_argument("--ab", default="", help="backend overrides to compare in one process, '|'-separated (an empty "
-                    "entry = the default), e.g. '|norm=triton': each grid point is timed in alternating rounds")
+                    "entry = the default), e.g. '|norm=triton' or '|matmul.OUTPUT_SKINNY_MAX_ROWS=1' (a dispatch threshold of "
+                    "jaxmtp.pallas.matmul, set while that variant compiles): each grid point is timed in alternating rounds")
     ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)

@@ -93,15 +93,40 @@ def test_gemv_swiglu_prologue_matches_float64(rng, m, k, n, bn, bk, extra, dtype
         gemv_matmul_triton(x[:, : 2 * k - 128], w, transpose_w=True, swiglu=True, interpret=True)  # no room for up
 
 
+@pytest.mark.parametrize("m,k,n,bn,bk,extra", [(3, 256, 48, 16, 128, 0), (4, 384, 32, 16, 128, 64),
+                                               (13, 128, 64, 32, 64, 0), (16, 256, 16, 16, 256, 0)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_skinny_kernel_with_masked_rows_matches_float64(rng, m, k, n, bn, bk, extra, swiglu):
+    """The block-output path of the tensor-core kernel: W [N, K] bf16, one split, the rows not padded (the kernel
+    masks rows m..15 on load and store), optionally x = gate | up (+ columns it must ignore) with the SwiGLU
+    formed per step and rounded to bf16 as swiglu_reference materialises it."""
+    x = jnp.asarray(rng.standard_normal((m, 2 * k + extra if swiglu else k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    y = skinny_matmul_triton(x, w, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=bk,
+                             out_dtype=jnp.float32, interpret=True)
+    assert y.shape == (m, n)
+    xin = matmul_mod.swiglu_reference(x, k) if swiglu else x
+    _check(y, xin, w, True, 1e-5)  # operands exact in bf16, float32 accumulation
+    if swiglu:
+        want = _swiglu64(x, k) @ np.asarray(w, np.float64).T
+        assert np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want) < 1e-2
+    with pytest.raises(ValueError, match="do not divide"):
+        skinny_matmul_triton(x, w, transpose_w=True, swiglu=swiglu, mask_rows=True, splits=2, interpret=True)
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_output_linear_dispatch(rng, monkeypatch, swiglu):
-    """One row runs the kernel, more rows (and the "xla" name) the reference; all agree with float64."""
+    """One row runs the multiply-add kernel, up to OUTPUT_SKINNY_MAX_ROWS the tensor-core kernel with masked rows,
+    more rows (and the "xla" name) the reference; all agree with float64. (The tensor-core range is off by default,
+    measured slower on the GPU: switched on here to check the dispatch.)"""
+    monkeypatch.setattr(matmul_mod, "OUTPUT_SKINNY_MAX_ROWS", 16)
     k, n = 256, 64
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32)
     calls = []
-    real = matmul_mod.gemv_matmul_triton
-    monkeypatch.setattr(matmul_mod, "gemv_matmul_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for rows in (1, 3):
+    for name in ("gemv_matmul_triton", "skinny_matmul_triton"):
+        real = getattr(matmul_mod, name)
+        monkeypatch.setattr(matmul_mod, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    for rows in (1, 3, matmul_mod.OUTPUT_SKINNY_MAX_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, 1, 2 * k if swiglu else k)), jnp.float32)
         want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
         for impl in ("xla", "triton_interpret"):
@@ -109,7 +134,9 @@ def test_output_linear_dispatch(rng, monkeypatch, swiglu):
             y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation=impl)
             assert y.shape == (rows, 1, n)
             np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5)
-            assert len(calls) == (impl == "triton_interpret" and rows <= matmul_mod.OUTPUT_GEMV_MAX_ROWS)
+            expect = [] if impl == "xla" or rows > matmul_mod.OUTPUT_SKINNY_MAX_ROWS else (
+                ["gemv_matmul_triton"] if rows <= matmul_mod.OUTPUT_GEMV_MAX_ROWS else ["skinny_matmul_triton"])
+            assert calls == expect
 
 
 @pytest.mark.parametrize("unpack", ["magic", "convert"])

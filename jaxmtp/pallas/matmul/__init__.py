@@ -17,7 +17,7 @@ from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize
                                             swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
-from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, skinny_matmul_triton, supports
+from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, skinny_matmul_triton, supports
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton
 
@@ -59,16 +59,20 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 
 # Products that end a block (attention o_proj, GDN out_proj, the MLP's down_proj), weights stored [N, K]: one row
 # runs the multiply-add kernel without a split along K, the MLP's SwiGLU folded in (docs/performance.md, run 12:
-# XLA's one-row products there split K and reduce the partials in a second kernel). More rows stay with XLA.
+# XLA's products there split K and reduce the partials in a second kernel, and the SwiGLU is a kernel of its own).
+# Rows up to OUTPUT_SKINNY_MAX_ROWS would run the tensor-core kernel the same way (one split, the SwiGLU folded in,
+# the rows masked rather than padded). Off (1): on an H100 (run 14, scripts/bench_output_matmul.py) it took 12-14 us
+# for the 4B out_proj / o_proj at 4 and 8 rows against XLA's 11.5-11.7, and with the SwiGLU folded in 170-185 us for
+# down_proj against 21; in the step the 4B k = 3 step took 9.9 ms instead of 4.7. Kept, tested, for a better tiling.
 OUTPUT_GEMV_MAX_ROWS = 1
-
-
+OUTPUT_SKINNY_MAX_ROWS = 1
 def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
     the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``
     (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
-    dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`. A
-    quantised ``w_t`` (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU."""
+    dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`, up to
+    ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`. A quantised ``w_t`` (:func:`is_quantized`) runs
+    :func:`quantized_linear` after the SwiGLU."""
     if is_quantized(w_t):
         xin = swiglu_reference(x, w_t["weight"].shape[1]) if swiglu else x
         return quantized_linear(xin, w_t["weight"], w_t["scale"], implementation=implementation).astype(x.dtype)
@@ -77,6 +81,13 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_GEMV_MAX_ROWS
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
+    n = w_t.shape[0]
+    if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n)
+            and not jnp.issubdtype(w_t.dtype, jnp.integer)):
+        bn, bk, warps, stages = output_plan(kdim, n)
+        return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=bk,
+                                    num_warps=warps, num_stages=stages,
+                                    interpret=implementation == TRITON_INTERPRET)
     return matmul_reference(swiglu_reference(x, kdim) if swiglu else x, w_t, transpose_w=True)
 
 

@@ -49,6 +49,14 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
     return mp, bn, bk, splits
 
 
+def output_plan(k: int, n: int):
+    """``(BN, BK, num_warps, num_stages)`` for a block's output product with few rows, W ``[N, K]`` bfloat16, one split
+    along K, rows masked (:func:`jaxmtp.pallas.matmul.output_linear`)."""
+    bn = 16 if n % 16 == 0 else 8
+    bk = next(b for b in (256, 128, 64) if k % b == 0)
+    return bn, bk, 4, 4
+
+
 def _operand_dtype(x_dtype, w_dtype):
     """In-kernel operand dtype: int8 / packed int4 weights are widened to the activations' dtype (exact for bfloat16:
     |q| <= 127 fits its 8-bit significand), other weights keep theirs (:func:`work_dtype`)."""
@@ -57,7 +65,23 @@ def _operand_dtype(x_dtype, w_dtype):
     return work_dtype(w_dtype)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, int4, dtype, interpret):
+def _rows(x_ref, off, bk, m, swiglu):
+    """x's columns ``[off, off + bk)`` as the ``[Mp, bk]`` dot operand. With ``m`` < Mp rows (x not padded) the rows
+    from m on are masked to 0. ``swiglu`` (x = gate | up, each ``swiglu`` wide): ``silu(gate) * up`` rounded to x's
+    dtype, as :func:`jaxmtp.pallas.matmul.reference.swiglu_reference` materialises it."""
+    mp = x_ref.shape[0]
+    if m == mp:
+        load = lambda o: x_ref[:, pl.ds(o, bk)]  # noqa: E731
+    else:
+        live = lax.broadcasted_iota(jnp.int32, (mp, bk), 0) < m
+        load = lambda o: pltr.load(x_ref.at[:, pl.ds(o, bk)], mask=live, other=0)  # noqa: E731
+    if not swiglu:
+        return load(off)
+    g, u = load(off).astype(jnp.float32), load(swiglu + off).astype(jnp.float32)
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(x_ref.dtype)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
     k0 = pl.program_id(1) * k_per_split
     mp, bn = x_ref.shape[0], o_ref.shape[-1]
 
@@ -69,56 +93,68 @@ def _kernel(x_ref, w_ref, o_ref, *, bk, k_per_split, transpose_w, int4, dtype, i
             lo, hi = (b & 15) - 8, (b >> 4) - 8
             acc = acc + mm(x_ref[:, pl.ds(off, half)], lo, tb=True, dtype=dtype, interpret=interpret)
             return acc + mm(x_ref[:, pl.ds(off + half, half)], hi, tb=True, dtype=dtype, interpret=interpret)
-        xb = x_ref[:, pl.ds(off, bk)]
+        xb = _rows(x_ref, off, bk, m, swiglu)
         if transpose_w:
             return acc + mm(xb, w_ref[:, pl.ds(off, bk)], tb=True, dtype=dtype, interpret=interpret)
         return acc + mm(xb, w_ref[pl.ds(off, bk), :], dtype=dtype, interpret=interpret)
 
-    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32)).astype(o_ref.dtype)
+    if m == mp:
+        o_ref[...] = acc
+    else:  # the output is not padded either: rows from m on are not stored
+        pltr.store(o_ref, acc, mask=lax.broadcasted_iota(jnp.int32, (mp, bn), 0) < m)
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "swiglu", "mask_rows", "interpret"))
 def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
-                         num_warps=None, num_stages=None, interpret=False):
-    """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts."""
+                         num_warps=None, num_stages=None, swiglu=False, mask_rows=False, interpret=False):
+    """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
+    x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
+    (one split along K only): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
+    (no pad kernel before it, no slice after)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    lead, kdim = x.shape[:-1], x.shape[-1]
+    lead = x.shape[:-1]
+    kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
     n = w.shape[0] if transpose_w else w.shape[1]
     m = math.prod(lead)
     int4 = w.dtype == jnp.uint8
-    if not supports(m, kdim, n, int4=int4) or (int4 and (not transpose_w or w.shape[1] * 2 != kdim)):
-        raise ValueError(f"unsupported skinny matmul: [{m}, {kdim}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}")
+    bad_swiglu = swiglu and (x.shape[-1] < 2 * kdim or jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8))
+    if not supports(m, kdim, n, int4=int4) or (int4 and (not transpose_w or w.shape[1] * 2 != kdim)) or bad_swiglu:
+        raise ValueError(f"unsupported skinny matmul: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, "
+                         f"transpose_w={transpose_w}, swiglu={swiglu}")
     mp, bn0, bk0, s0 = plan(m, kdim, n)
     bn, bk = block_n or bn0, block_k or bk0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
-    ns = splits or (s0 if block_n is None and block_k is None else 1)
-    if n % bn or kdim % (bk * ns):
-        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
-    kernel = functools.partial(_kernel, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
+    ns = splits or (s0 if block_n is None and block_k is None and not mask_rows else 1)
+    if n % bn or kdim % (bk * ns) or (mask_rows and ns != 1):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split masked rows)")
+    kernel = functools.partial(_kernel, m=m if mask_rows else mp, bk=bk, k_per_split=kdim // ns,
+                               transpose_w=transpose_w, int4=int4, swiglu=kdim if swiglu else 0,
                                dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret))
     return launch_row_kernel(kernel, x, w, rows=mp, block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or 4, num_stages=num_stages or 4,
-                             interpret=interpret, name="skinny_matmul")
+                             interpret=interpret, name="skinny_matmul", pad=not mask_rows)
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
-                      interpret, name):
+                      interpret, name, pad=True):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
-    rows, grid ``(N / block_n, splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing
+    rows (``pad=False``: not padded, the kernel masks the missing rows; one split only), grid ``(N / block_n, splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing
     ``[rows, block_n]`` of the output (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.reshape(m, kdim)
-    if rows != m:
+    if rows != m and pad:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
+    if not pad and splits != 1:
+        raise ValueError("unpadded rows need one split along K")
     w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
               else pl.BlockSpec((w.shape[0], block_n), lambda j, s: (0, j)))
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((rows if pad else m, n), out_dtype)
         out_spec = pl.BlockSpec((rows, block_n), lambda j, s: (0, j))
     else:
         out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
