@@ -12,9 +12,11 @@ Thread safety: ``add_request`` and ``abort`` may be called from any thread; ``st
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import os
 import threading
 import time
 from typing import Sequence
@@ -507,25 +509,33 @@ class Engine:
             self._by_id.pop(req.id, None)
 
     # ---- warm-up --------------------------------------------------------------------------------------------
-    def warmup(self) -> float:
-        """Compile every device function (prefill buckets, the step loop) with no effect on the state."""
+    def warmup(self, compile_threads: int | None = None) -> float:
+        """Compile every device function (prefill buckets, the step loops) with no effect on the state.
+
+        The compiles run ``compile_threads`` at a time (default: one per CPU core, at most 8): each function is
+        lowered (traced) in turn, its XLA compile runs in a thread, and the calls that follow find it compiled."""
         t0 = time.perf_counter()
+        z_calls = []  # (jitted function, arguments after params and state)
         rows = 1
         while True:
             chunk = 16
             while True:
                 z = jnp.zeros((rows, chunk), jnp.int32)
-                self.state, *_ = self._prefill(self.model.params, self.state,
-                                               jnp.full((rows,), self.num_slots, jnp.int32), z, z - 1, z,
-                                               jnp.zeros((rows,), bool))
+                z_calls.append((self._prefill, (jnp.full((rows,), self.num_slots, jnp.int32), z, z - 1, z,
+                                                jnp.zeros((rows,), bool))))
                 if chunk >= self.prefill_chunk:
                     break
                 chunk = self._chunk_bucket(chunk + 1)
             if rows >= self.max_prefill_batch:
                 break
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
-        for run in self._loops.values():
-            self.state, out = run(self.model.params, self.state)
+        z_calls += [(run, ()) for run in self._loops.values()]
+        lowered = [fn.lower(self.model.params, self.state, *args) for fn, args in z_calls]
+        workers = compile_threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        for fn, args in z_calls:  # compiled above: these run them once (a dummy row, or no active slot)
+            self.state, *out = fn(self.model.params, self.state, *args)
         if len(self.slot_buckets) > 1:
             none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
             self.state = self._move(self.state, none, none)
