@@ -442,8 +442,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--override", default="", help="backend fields to set, e.g. gdn_mixer=xla,norm=triton")
     ap.add_argument("--ab", default="", help="backend overrides to compare in one process, '|'-separated (an empty "
-                    "entry = the default), e.g. '|norm=triton' or '|matmul.OUTPUT_SKINNY_MAX_ROWS=1' (a dispatch threshold of "
-                    "jaxmtp.pallas.matmul, set while that variant compiles): each grid point is timed in alternating rounds")
+                    "entry = the default), e.g. '|norm=triton' or '|matmul.OUTPUT_SKINNY_MAX_ROWS=1' (a dispatch "
+                    "threshold of jaxmtp.pallas.matmul, set while that variant compiles): each grid point is timed in "
+                    "alternating rounds")
     ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)

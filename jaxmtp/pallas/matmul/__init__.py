@@ -66,6 +66,8 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 # down_proj against 21; in the step the 4B k = 3 step took 9.9 ms instead of 4.7. Kept, tested, for a better tiling.
 OUTPUT_GEMV_MAX_ROWS = 1
 OUTPUT_SKINNY_MAX_ROWS = 1
+
+
 def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
     the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``

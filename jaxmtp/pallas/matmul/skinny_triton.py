@@ -141,8 +141,9 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
                       interpret, name, pad=True):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
-    rows (``pad=False``: not padded, the kernel masks the missing rows; one split only), grid ``(N / block_n, splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing
-    ``[rows, block_n]`` of the output (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
+    rows (``pad=False``: not padded, the kernel masks the missing rows; one split only), grid ``(N / block_n,
+    splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of
+    the output (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
