@@ -130,6 +130,23 @@ def test_step_compiles_once_and_prefill_shapes_are_bounded(models, reference):
     assert compiled["step"] == 1 and compiled["prefill"] <= 2 * 2  # row buckets {1, 2} x chunk buckets {16, 32}
 
 
+def test_warmup_falls_back_to_one_compile_at_a_time(models, reference, monkeypatch):
+    """A compile that fails in warm-up's thread pool (as concurrent autotuning out of device memory would) leaves a
+    warning, and the calls compile what is left: the engine still gives the plain greedy tokens."""
+    prompts, ref = reference
+
+    def fail(self, *args, **kw):
+        raise RuntimeError("RESOURCE_EXHAUSTED: simulated")
+
+    eng = Engine(models["dense"], num_draft_tokens=2, **SETTINGS)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
+    with pytest.warns(RuntimeWarning, match="one at a time"):
+        eng.warmup(compile_threads=2)
+    monkeypatch.undo()
+    out = run(eng, prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [t for t, _ in out] == ref
+
+
 def test_stop_id_and_budget_inside_an_accepted_window(engines, reference):
     """With every draft accepted, a stop id or the token budget falls inside a window: nothing past it is emitted."""
     prompts, ref = reference

@@ -19,6 +19,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -514,7 +515,9 @@ class Engine:
         """Compile every device function (prefill buckets, the step loops) with no effect on the state.
 
         The compiles run ``compile_threads`` at a time (default: one per CPU core, at most 8): each function is
-        lowered (traced) in turn, its XLA compile runs in a thread, and the calls that follow find it compiled."""
+        lowered (traced) in turn, its XLA compile runs in a thread, and the calls that follow find it compiled. If a
+        compile fails there (concurrent autotuning can run out of device memory beside a large model), a warning
+        says so and the calls compile what is left one at a time, as they would without threads."""
         t0 = time.perf_counter()
         z_calls = []  # (jitted function, arguments after params and state)
         rows = 1
@@ -533,8 +536,12 @@ class Engine:
         z_calls += [(run, ()) for run in self._loops.values()]
         lowered = [fn.lower(self.model.params, self.state, *args) for fn, args in z_calls]
         workers = compile_threads or min(8, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(lambda low: low.compile(), lowered))
+        except Exception as e:  # noqa: BLE001 - e.g. concurrent autotuning out of device memory: go on one at a time
+            warnings.warn(f"compiling {workers} functions at a time failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "compiling the rest one at a time", RuntimeWarning, stacklevel=2)
         for fn, args in z_calls:  # compiled above: these run them once (a dummy row, or no active slot)
             self.state, *out = fn(self.model.params, self.state, *args)
         if len(self.slot_buckets) > 1:
