@@ -33,6 +33,15 @@ VARIANTS = ("sampling=1,skip_idle=1", "sampling=0,skip_idle=1", "sampling=0,skip
 STEPS_PER_SYNC = 8
 
 
+def tiny_config(name: str):
+    """``name``'s first four layers at width 64 (CPU smoke tests of the step-loop scripts)."""
+    full = shapes.config(name)
+    return shapes.config(name, num_hidden_layers=4, layer_types=full.layer_types[:4], hidden_size=64,
+                         intermediate_size=128, vocab_size=512, head_dim=32, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         num_attention_heads=4, num_key_value_heads=2, moe_layers=full.moe_layers[:4])
+
+
 def parse_variant(variant: str) -> dict:
     """"a=1,b=0" -> {"a": 1, "b": 0}."""
     return {a: int(b) for a, b in (x.split("=") for x in variant.split(",") if x)}
@@ -63,12 +72,7 @@ def main(argv=None) -> int:
            "runs": []}
     variants = args.variants.split(";")
     for name in args.models.split(","):
-        full = shapes.config(name)
-        over = dict(num_hidden_layers=4, layer_types=full.layer_types[:4], hidden_size=64, intermediate_size=128,
-                    vocab_size=512, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
-                    linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4,
-                    num_key_value_heads=2, moe_layers=full.moe_layers[:4]) if args.tiny else {}
-        model = random_model(shapes.config(name, **over), jax.numpy.bfloat16, "auto")
+        model = random_model(tiny_config(name) if args.tiny else shapes.config(name), jax.numpy.bfloat16, "auto")
         for pair in args.grid.split(";"):
             b, k = map(int, pair.split(":"))
             runs = []

@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_decode import fill_synthetic, random_model, timed_loops  # noqa: E402
+from bench_step_loop import tiny_config  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 
@@ -42,12 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="warmup.json")
     args = ap.parse_args(argv)
-    full = shapes.config(args.model)
-    over = dict(num_hidden_layers=4, layer_types=full.layer_types[:4], hidden_size=64, intermediate_size=128,
-                vocab_size=512, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4,
-                num_key_value_heads=2, moe_layers=full.moe_layers[:4]) if args.tiny else {}
-    model = random_model(shapes.config(args.model, **over), jnp.bfloat16, "auto")
+    model = random_model(tiny_config(args.model) if args.tiny else shapes.config(args.model), jnp.bfloat16, "auto")
     steps = 8
     eng = Engine(model, num_slots=args.slots, max_context=args.context + steps * (args.syncs + 2) * (args.k + 1) + 16,
                  num_draft_tokens=args.k, steps_per_sync=steps, check_memory=False)

@@ -84,8 +84,7 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
     n = w_t.shape[0]
-    if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n)
-            and not jnp.issubdtype(w_t.dtype, jnp.integer)):
+    if implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n):
         bn, bk, warps, stages = output_plan(kdim, n)
         return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=bk,
                                     num_warps=warps, num_stages=stages,
