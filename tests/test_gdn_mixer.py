@@ -1,6 +1,6 @@
 """The one-kernel GDN mixer (Pallas Triton, run by the interpreter) against the unfused layer (XLA path): decode
 with a padding row (output, state and conv window) and verify (replay inputs, then the commit of accepted prefixes),
-GQA ratios 1 and 2, float32 and bfloat16, two v blocks per head. The layer's XLA path is itself checked against
+GQA ratios 1 and 2, float32 and bfloat16, two and four v blocks per head. The layer's XLA path is itself checked against
 transformers (test_parity_hf)."""
 
 import jax
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmtp.pallas.gated_delta_rule as gdr
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, gated_deltanet, ring_update, select_step, window_from_ring
 from jaxmtp.model import init_params
@@ -45,9 +46,10 @@ def _close(got, want, dtype):
     np.testing.assert_allclose(got, want, atol=tol * max(1.0, np.abs(want).max()), rtol=0)
 
 
-@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("r,bv", [(1, 32), (2, 16)])  # BV: the dv slice per program (dv = 64 here)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_step_matches_the_unfused_layer(rng, r, dtype):
+def test_decode_step_matches_the_unfused_layer(rng, monkeypatch, r, bv, dtype):
+    monkeypatch.setattr(gdr, "MIXER_BLOCK_V", bv)
     cfg, p, carry, b = _setup(rng, r, dtype)
     x = jnp.asarray(rng.standard_normal((b, 1, cfg.hidden_size)), dtype)
     valid = jnp.asarray([[True], [False], [True]])  # row 1 is an idle slot: its carry must not move
@@ -61,9 +63,10 @@ def test_decode_step_matches_the_unfused_layer(rng, r, dtype):
     np.testing.assert_array_equal(np.asarray(c.state[1]), np.asarray(carry.state[1]))
 
 
-@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("r,bv", [(1, 32), (2, 16)])  # BV: the dv slice per program (dv = 64 here)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_verify_step_states_match_the_unfused_layer(rng, r, dtype):
+def test_verify_step_states_match_the_unfused_layer(rng, monkeypatch, r, bv, dtype):
+    monkeypatch.setattr(gdr, "MIXER_BLOCK_V", bv)
     cfg, p, carry, b = _setup(rng, r, dtype)
     t = 4
     x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), dtype)

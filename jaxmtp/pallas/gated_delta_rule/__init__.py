@@ -92,7 +92,8 @@ def commit_layers(k, v, g, beta, states, implementation="xla"):
             and k.shape[2] <= MAX_RECURRENT_TOKENS and _triton_shapes_ok(k.shape[-1], v.shape[-1])):
         from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_layers_triton
 
-        return commit_layers_triton(k, v, g, beta, states, interpret=interpret_arg(implementation))
+        return commit_layers_triton(k, v, g, beta, states, num_warps=COMMIT_NUM_WARPS,
+                                    interpret=interpret_arg(implementation))
     return [commit_gated_delta_rule(k[i], v[i], g[i], beta[i], s, implementation) for i, s in enumerate(states)]
 
 
@@ -106,6 +107,17 @@ def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
             and _triton_shapes_ok(dk, dv) and projection_blocks_ok(hk, hv, dk, dv))
 
 
+# The dv slice (BV) a mixer program owns; the grid is (dv / BV, Hv, B) programs, each running the window's tokens
+# one after another on its [dk, BV] slice of the state. 16 (twice the programs, 128 for the 0.8B at batch 1) was no
+# faster at batch 1 and 2% slower at 8 slots with k = 3 (H100, docs/performance.md run 15).
+MIXER_BLOCK_V = 32
+# Warps per mixer / commit program. Each token of the rule reduces its [dk, BV] state slice over dk twice; fewer
+# warps need less cross-warp exchange per reduction but do more work per thread. H100 (docs/performance.md run 15):
+# 2 warps within the noise, 1 warp 8-12% slower with k = 3; 4 kept.
+MIXER_NUM_WARPS = 4
+COMMIT_NUM_WARPS = 4
+
+
 def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, replay=False,
               implementation="triton"):
     """Conv, gates and recurrence of a decode/verify window from the fused input projection, in one kernel
@@ -117,8 +129,8 @@ def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, r
         raise ValueError(f"the fused GDN mixer does not run {implementation!r} at these shapes")
     return gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start,
                             hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                            dv=cfg.linear_value_head_dim, replay=replay,
-                            interpret=interpret_arg(implementation))
+                            dv=cfg.linear_value_head_dim, replay=replay, block_v=MIXER_BLOCK_V,
+                            num_warps=MIXER_NUM_WARPS, interpret=interpret_arg(implementation))
 
 
 __all__ = [
