@@ -33,9 +33,9 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import linear, quantized_linear
+from jaxmtp.pallas.matmul import linear, quantized_argmax, quantized_linear
 from jaxmtp.param_layout import has_quantized_mtp
-from jaxmtp.pallas.norms import add_rms_norm
+from jaxmtp.pallas.norms import add_rms_norm, rms_norm as norm_kernel
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -175,7 +175,7 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
     when the caller already has it (the previous block's fused add and norm)."""
     if h is None:
-        h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+        h = norm_kernel(x, lp["input_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul,
@@ -217,6 +217,17 @@ def draft_tokens(params: Params, logits: jax.Array) -> jax.Array:
     idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     dh = params.get("draft_head")
     return dh["ids"][idx] if dh is not None and "ids" in dh else idx
+
+
+def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
+    """``draft_tokens(params, draft_head(params, hidden, backend))`` for hidden [..., H]: int32 ids [...]. A quantised
+    head takes the argmax with its product (:func:`jaxmtp.pallas.matmul.quantized_argmax`; on the GPU an int4 head
+    then never writes the logits), the same ids."""
+    dh = params.get("draft_head")
+    if dh is None or "scale" not in dh:
+        return draft_tokens(params, draft_head(params, hidden, backend))
+    idx = quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+    return dh["ids"][idx] if "ids" in dh else idx
 
 
 def describe_draft_head(params: Params, vocab_size: int) -> str:

@@ -32,9 +32,11 @@ import numpy as np  # noqa: E402
 
 from bench_norm_chain import best_time  # noqa: E402
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton  # noqa: E402
-from jaxmtp.pallas.matmul.reference import as_words, swiglu_reference, unpack_int4, w4a8_matmul_reference  # noqa: E402
+from jaxmtp.pallas.matmul.reference import (as_words, quantize_rows_int8, swiglu_reference, unpack_int4,  # noqa: E402
+                                            w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton  # noqa: E402
-from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton  # noqa: E402
+from jaxmtp.pallas.matmul.w4a8_triton import (quantize_rows_triton, w4a8_argmax_triton,  # noqa: E402
+                                              w4a8_matmul_triton)
 from jaxmtp.param_layout import quantize_rows, quantize_rows_int4  # noqa: E402
 
 HEAD = (2560, 248320)
@@ -56,6 +58,15 @@ def check(rng) -> dict:
                  "int4": (q4, True, np.asarray(x, np.float64) @ np.asarray(unpack_int4(q4), np.float64).T)}
         for name, (wt, tr, ref) in cases.items():
             got = np.asarray(gemv_matmul_triton(x, wt, transpose_w=tr, out_dtype="float32"), np.float64)
+            out[f"{name}_{m}x{k}x{n}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+        # int8 with the column scale, the bf16 cast and the SwiGLU prologue inside (the int8 MTP layer's products)
+        q8s, s8 = quantize_rows(w.T.astype(jnp.float32))
+        xg = jnp.asarray(rng.standard_normal((m, 2 * k)), jnp.bfloat16)
+        dense = np.asarray(q8s, np.float64) * np.asarray(s8, np.float64)[:, None]
+        for name, xin, sw in (("int8_scaled", x, False), ("int8_scaled_swiglu", xg, True)):
+            ref = np.asarray(swiglu_reference(xin, k) if sw else xin, np.float64) @ dense.T
+            got = np.asarray(gemv_matmul_triton(xin, q8s, s8, transpose_w=True, out_dtype=jnp.bfloat16, swiglu=sw),
+                             np.float64)
             out[f"{name}_{m}x{k}x{n}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
     print("check", out, flush=True)
     return out
@@ -117,13 +128,26 @@ def check_w4a8(rng, x_head, w_head) -> dict:
         want = np.asarray(w4a8_matmul_reference(x, q, s), np.float64)
         got = np.asarray(w4a8_matmul_triton(x, as_words(q), s), np.float64)
         out[f"{m}x{k}x{n}"] = float(np.abs(got - want).max() / np.abs(want).max())
+        # the drafts' argmax without the logits: equal to the argmax of the kernel's logits (ties: first index)
+        ids = np.asarray(w4a8_argmax_triton(x, as_words(q), s))
+        out[f"argmax_equal_{m}x{k}x{n}"] = bool(np.array_equal(ids, got.argmax(-1)))
+        # the row quantisation kernel: bit for bit XLA's quantize_rows_int8
+        xlo, xhi, rs, rsum = quantize_rows_triton(x)
+        xq, want_rs = quantize_rows_int8(x)
+        halves = np.asarray(as_words(xq)).reshape(m, k // 128, 2, 16)
+        out[f"quantize_equal_{m}x{k}"] = bool(
+            np.array_equal(np.asarray(xlo), halves[:, :, 0].reshape(m, -1))
+            and np.array_equal(np.asarray(xhi), halves[:, :, 1].reshape(m, -1))
+            and np.array_equal(np.asarray(rs)[:m], np.asarray(want_rs))
+            and np.array_equal(np.asarray(rsum)[:m], np.asarray(xq, np.int32).sum(1)))
     print("check w4a8", out, flush=True)
     return out
 
 
 def time_w4a8(x, w, sweep: bool) -> dict:
     """The int4 head read with rows quantised to int8 (dp4a) against the int4 and int8 kernels, 1-8 rows; the op
-    includes the rows' quantisation. ``words_view``: the words made from the uint8 packing inside the timed call
+    includes the rows' quantisation. ``w4a8_then_argmax`` / ``w4a8_argmax``: the drafts' argmax after the logits
+    and inside the kernel. ``words_view``: the words made from the uint8 packing inside the timed call
     (whether XLA's bitcast is free)."""
     out = {}
     q4, s4 = quantize_rows_int4(w)
@@ -133,6 +157,8 @@ def time_w4a8(x, w, sweep: bool) -> dict:
     for m in (1, 2, 4, 8):
         xm = jnp.tile(x, (m, 1))
         fns = {"w4a8": (lambda x, q, s: w4a8_matmul_triton(x, q, s), words),
+               "w4a8_then_argmax": (lambda x, q, s: jnp.argmax(w4a8_matmul_triton(x, q, s), -1), words),
+               "w4a8_argmax": (lambda x, q, s: w4a8_argmax_triton(x, q, s), words),
                "w4a8_words_view": (lambda x, q, s: w4a8_matmul_triton(x, as_words(q), s), q4),
                "int4_gemv": (lambda x, q, s: gemv_matmul_triton(x, q, transpose_w=True) * s, q4),
                "int4_skinny": (lambda x, q, s: skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32") * s,
@@ -141,7 +167,7 @@ def time_w4a8(x, w, sweep: bool) -> dict:
                "int8_skinny": (lambda x, q, s: skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32") * s,
                                q8)}
         for name, (fn, q) in fns.items():
-            if m > 4 and "gemv" in name:
+            if m > 4 and ("gemv" in name or "argmax" in name):
                 continue
             t = best_time(jax.jit(fn), xm, q, s4, reps=250)
             out[f"{name}_rows{m}_us"] = t * 1e6

@@ -12,7 +12,7 @@ import pytest
 import jaxmtp
 from jaxmtp.config import FULL, LINEAR, ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import ROW_MULTIPLE, count_tokens, coverage, most_frequent, read_draft_vocab
-from jaxmtp.model import describe_draft_head, draft_head, draft_tokens, draft_vocab_logits, init_params
+from jaxmtp.model import describe_draft_head, draft_head, draft_ids, draft_tokens, draft_vocab_logits, init_params
 from jaxmtp.pallas import Backend
 from jaxmtp.param_layout import serving_layout
 
@@ -113,6 +113,7 @@ def test_hot_draft_head_scores_the_hot_rows_and_drafts_their_argmax(rng, tied, i
         np.testing.assert_allclose(np.asarray(logits, np.float64)[:, : ids.size], ref_full[:, ids],
                                    rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(draft_tokens(hot, logits)), want_tokens)
+        np.testing.assert_array_equal(np.asarray(draft_ids(hot, h, backend)), want_tokens)
         spread = np.asarray(draft_vocab_logits(hot, logits, V))
         assert spread.shape == (64, V)
         np.testing.assert_array_equal(np.argmax(spread, axis=1), want_tokens)

@@ -17,10 +17,11 @@ import pytest
 import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import gemv_matmul_triton, linear, matmul_reference, skinny_matmul_triton
-from jaxmtp.pallas.matmul.reference import as_words, quantize_rows_int8, unpack_int4
+from jaxmtp.pallas.matmul import (gemv_matmul_triton, linear, matmul_reference, output_linear,
+                                  quantized_matmul_reference, skinny_matmul_triton, swiglu_reference)
+from jaxmtp.pallas.matmul.reference import as_words, quantize_rows_int8, unpack_int4, w4a8_matmul_reference
 from jaxmtp.pallas.matmul.skinny_triton import plan
-from jaxmtp.pallas.matmul.w4a8_triton import dp4a, w4a8_matmul_triton
+from jaxmtp.pallas.matmul.w4a8_triton import dp4a, quantize_rows_triton, w4a8_argmax_triton, w4a8_matmul_triton
 
 from test_pallas_model import small_config
 
@@ -97,8 +98,8 @@ def test_gemv_swiglu_prologue_matches_float64(rng, m, k, n, bn, bk, extra, dtype
                                                (13, 128, 64, 32, 64, 0), (16, 256, 16, 16, 256, 0)])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_skinny_kernel_with_masked_rows_matches_float64(rng, m, k, n, bn, bk, extra, swiglu):
-    """The block-output path of the tensor-core kernel: W [N, K] bf16, one split, the rows not padded (the kernel
-    masks rows m..15 on load and store), optionally x = gate | up (+ columns it must ignore) with the SwiGLU
+    """The tensor-core kernel with the rows not padded (the kernel masks rows m..15 on load and store), W [N, K] bf16,
+    one split and two, optionally x = gate | up (+ columns it must ignore) with the SwiGLU
     formed per step and rounded to bf16 as swiglu_reference materialises it."""
     x = jnp.asarray(rng.standard_normal((m, 2 * k + extra if swiglu else k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
@@ -110,8 +111,14 @@ def test_skinny_kernel_with_masked_rows_matches_float64(rng, m, k, n, bn, bk, ex
     if swiglu:
         want = _swiglu64(x, k) @ np.asarray(w, np.float64).T
         assert np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want) < 1e-2
-    with pytest.raises(ValueError, match="do not divide"):
-        skinny_matmul_triton(x, w, transpose_w=True, swiglu=swiglu, mask_rows=True, splits=2, interpret=True)
+    # split along K: the partials' rows from m on are never written (NaN in the interpreter) and must not leak
+    y2 = skinny_matmul_triton(x, w, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=64, splits=2,
+                              out_dtype=jnp.float32, interpret=True)
+    assert y2.shape == (m, n)
+    _check(y2, xin, w, True, 1e-5)
+    with pytest.raises(ValueError, match="int4"):
+        skinny_matmul_triton(x[:, :k], jnp.zeros((n, k // 2), jnp.uint8), transpose_w=True, mask_rows=True,
+                             interpret=True)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -240,3 +247,92 @@ def test_model_projections_through_the_kernel(rng, monkeypatch):
     assert calls, "the kernel was never used"
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("m,k", [(1, 1024), (3, 2560), (4, 640)])  # 8, 20 and 5 packing blocks (loads of 8, 4, 1)
+def test_row_quantize_kernel_equals_its_reference(rng, m, k):
+    """The dp4a kernel's prologue: int8 rows, their words split into each block's halves, scales and sums, exactly."""
+    x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)), jnp.bfloat16)
+    x = x.at[0, 5].set(-jnp.abs(x[0]).max() * 1.5)  # a negative extreme: -127 after rounding
+    xlo, xhi, rs, rsum = quantize_rows_triton(x, interpret=True)
+    xq, want_rs = quantize_rows_int8(x)
+    x32 = np.asarray(x, np.float32)  # numpy: float32 products rounded once, ties to even
+    inv = np.float32(127) / np.abs(x32).max(1)
+    np.testing.assert_array_equal(np.asarray(xq), np.clip(np.round(x32 * inv[:, None]), -127, 127))
+    halves = np.asarray(as_words(xq)).reshape(m, k // 128, 2, 16)
+    np.testing.assert_array_equal(np.asarray(xlo), halves[:, :, 0].reshape(m, k // 8))
+    np.testing.assert_array_equal(np.asarray(xhi), halves[:, :, 1].reshape(m, k // 8))
+    mp = rs.shape[0]
+    assert mp == 1 << (m - 1).bit_length()
+    np.testing.assert_array_equal(np.asarray(rs)[:m], np.asarray(want_rs))
+    np.testing.assert_array_equal(np.asarray(rsum)[:m], np.asarray(xq, np.int32).sum(1))
+    assert np.all(np.asarray(rs)[m:] == 1) and np.all(np.asarray(rsum)[m:] == 0)
+    assert int(np.asarray(xq)[0, 5]) == -127
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_w4a8_argmax_is_the_first_largest_column(rng, m):
+    """Ties across and within programs (copies of the winning weight row) resolve to the lowest column, as
+    jnp.argmax over the logits does; without ties the index is the reference product's argmax."""
+    k, n, bn = 256, 128, 16
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    packed = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+    scale = jnp.full((n,), 1e-2, jnp.float32)  # one scale: copied rows give bit-identical logits
+    ref = np.asarray(w4a8_matmul_reference(x, jnp.asarray(packed), scale))
+    want = ref.argmax(-1)
+    np.testing.assert_array_equal(np.asarray(w4a8_argmax_triton(x, as_words(jnp.asarray(packed)), scale,
+                                                                block_n=bn, interpret=True)), want)
+    best = int(want[0])
+    tied = packed.copy()
+    early, late = (best + 3 * bn) % n, best  # a copy in another program, and the original
+    lo, hi = sorted((early, late))
+    tied[lo] = tied[hi] = packed[best]
+    tied[hi - 1 if hi - 1 != lo else hi - 2] = packed[best]  # and one in the same program as the later copy, if any
+    logits = np.asarray(w4a8_matmul_triton(x, as_words(jnp.asarray(tied)), scale, block_n=bn, interpret=True))
+    got = np.asarray(w4a8_argmax_triton(x, as_words(jnp.asarray(tied)), scale, block_n=bn, interpret=True))
+    np.testing.assert_array_equal(got, logits.argmax(-1))
+    assert got[0] == min(np.flatnonzero(logits[0] == logits[0].max()))
+
+
+@pytest.mark.parametrize("m,swiglu", [(1, False), (1, True), (4, False), (3, True)])
+def test_int8_gemv_scales_and_casts_inside(rng, m, swiglu):
+    """The int8 MTP layer's products: scale per output column and bf16 cast in the kernel, SwiGLU prologue."""
+    k, n = 384, 48
+    x = jnp.asarray(rng.standard_normal((m, 2 * k + 64 if swiglu else k)), jnp.bfloat16)
+    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    y = gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=jnp.bfloat16, swiglu=swiglu, block_n=8,
+                           interpret=True)
+    assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
+    xin = swiglu_reference(x, k) if swiglu else x  # the activation rounded to bf16, as the kernel forms it
+    want = np.asarray(xin, np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8, atol=1e-3 * np.abs(want).max())
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x, q, scale[:8], transpose_w=True, swiglu=swiglu, interpret=True)
+
+
+def test_int8_layer_products_route_to_the_gemv_kernel(rng, monkeypatch):
+    """Up to LAYER_GEMV_MAX_ROWS (here 4) rows of an int8 [N <= 65536, K] weight: one multiply-add kernel (scale,
+    cast, SwiGLU inside); more rows keep the tensor-core path; the results agree with the quantised reference."""
+    calls = []
+    real = matmul_mod.gemv_matmul_triton
+    monkeypatch.setattr(matmul_mod, "gemv_matmul_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    k, n = 256, 64
+    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+    w = {"weight": q, "scale": jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)}
+    monkeypatch.setattr(matmul_mod, "LAYER_GEMV_MAX_ROWS", 4)
+    for rows in (1, 4, 5):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        calls.clear()
+        y = linear(x, w, implementation="triton_interpret")
+        assert y.dtype == jnp.bfloat16 and bool(calls) == (rows <= 4)
+        want = quantized_matmul_reference(x, q, w["scale"])
+        np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64), rtol=2 ** -7,
+                                   atol=1e-3)
+        g = jnp.asarray(rng.standard_normal((rows, 2 * k)), jnp.bfloat16)
+        calls.clear()
+        y = output_linear(g, w, swiglu=True, implementation="triton_interpret")
+        assert bool(calls) == (rows <= 4) and all(c.get("swiglu") for c in calls)
+        want = quantized_matmul_reference(swiglu_reference(g, k), q, w["scale"])
+        np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64), rtol=2 ** -7,
+                                   atol=1e-3)

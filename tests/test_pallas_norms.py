@@ -18,6 +18,7 @@ from jaxmtp.layers.norms import rms_norm
 from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.norms import add_rms_norm, supports
+from jaxmtp.pallas.norms import rms_norm as norm_only
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
 from test_pallas_model import small_config
@@ -52,6 +53,20 @@ def test_kernel_matches_float64(rng, shape, dtype):
     tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: the output's rounding (2^-8 relative)
     np.testing.assert_allclose(got_h, want_h, rtol=tol, atol=tol * np.abs(want_h).max())
     assert np.linalg.norm(got_h - want_h) / np.linalg.norm(want_h) < tol / 2
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 2, 96)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_only_kernel_matches_float64(rng, shape, dtype):
+    """The same kernel without the add (the MTP layer's input norm); the XLA path is the model's rms_norm."""
+    x, _, w = _inputs(rng, shape, dtype)
+    h = norm_only(x, w, EPS, implementation="triton_interpret")
+    assert h.shape == shape and h.dtype == dtype
+    want = _oracle(x, w)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(h, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(norm_only(x, w, EPS), np.float32), np.asarray(rms_norm(x, w, EPS),
+                                                                                           np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

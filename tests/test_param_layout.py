@@ -11,7 +11,7 @@ import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
-from jaxmtp.model import draft_head, forward, init_carry, init_mtp_carry, init_params, mtp_forward
+from jaxmtp.model import draft_head, draft_ids, forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import quantized_linear
 from jaxmtp.pallas.matmul.reference import unpack_int4
@@ -206,6 +206,13 @@ def test_int4_draft_head_stays_within_its_error_bound(rng):
     q_abs = np.abs(np.asarray(unpack_int4(dh["weight"]), np.float64)).sum(1)[None]
     bound = s / 2 * np.abs(h64).sum(1)[:, None] + (np.abs(h64).max(1)[:, None] / 127) / 2 * q_abs * s
     assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
+    # the drafts' ids: the kernel's argmax without the logits (1-4 rows) is the argmax of its logits
+    for rows in (1, 3, 4, 7):
+        hb = h[:rows]
+        for impl in ("triton_interpret", "xla"):
+            be = Backend(draft_head=impl)
+            want = np.argmax(np.asarray(draft_head(params, hb, be)), axis=-1)
+            np.testing.assert_array_equal(np.asarray(draft_ids(params, hb, be)), want)
     with pytest.raises(ValueError, match="4 or 8"):
         add_draft_head({"embed_tokens": native["lm_head"].T}, bits=2)
 
@@ -260,7 +267,8 @@ def test_int8_mtp_layer_tracks_the_exact_layer(rng, moe):
         return np.asarray(mtp_forward(params, tokens[:, sl], hidden[:, sl], positions[:, sl], carry, cfg=cfg,
                                       backend=be)[1], np.float64)
 
-    for sl in (slice(0, t), slice(0, 1)):  # the verify window's pass, a recursive one-token pass
+    # the verify window's pass (8 rows: the tensor-core kernel; 4 rows: the multiply-add kernel), a recursive pass
+    for sl in (slice(0, t), slice(0, 2), slice(0, 1)):
         want = run(exact, Backend(out_matmul="triton_interpret"), sl)
         kernel, ref = run(quant, backend, sl), run(quant, Backend(mtp_matmul="xla"), sl)
         np.testing.assert_allclose(kernel, ref, atol=1e-5, rtol=0)  # the int8 kernels compute the int8 reference

@@ -26,7 +26,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
-from jaxmtp.model import draft_head, draft_tokens, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
+from jaxmtp.model import draft_ids, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.sampling import MAX_STOP_IDS, greedy_tokens, sample_tokens
 
@@ -154,9 +154,9 @@ def _draft_rest(params, cfg, k, d1, h1, new_length, active, mtp_carry, backend):
     d, h = d1, h1
     for i in range(1, k):
         pos = jnp.where(active, new_length + i - 1, -1)[:, None]
-        logits, hm, mtp_carry = mtp_forward(params, d[:, None], h[:, None], pos, mtp_carry, cfg=cfg, step=i,
-                                            logits="all", backend=backend)
-        d, h = draft_tokens(params, logits[:, 0]), hm[:, 0]
+        _, hm, mtp_carry = mtp_forward(params, d[:, None], h[:, None], pos, mtp_carry, cfg=cfg, step=i,
+                                       logits="none", backend=backend)
+        d, h = draft_ids(params, hm[:, 0], backend), hm[:, 0]
         drafts.append(d)
     return jnp.stack(drafts, axis=1), mtp_carry
 
@@ -189,7 +189,7 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         mtp = _take(state.mtp_carry, slots)
         _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend)
         hm_last = jnp.take_along_axis(hm, last_idx[:, None, None], axis=1)[:, 0]
-        d1 = draft_tokens(params, draft_head(params, hm_last, backend))
+        d1 = draft_ids(params, hm_last, backend)
         drafts, mtp = _draft_rest(params, cfg, k, d1, hm_last, prompt_len, final, mtp, backend)
         if state.oracle is not None:
             oracle = state.oracle.replace(seq=_take(state.oracle.seq, slots))
@@ -241,7 +241,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     if k > 0:
         _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend)
         h1 = jnp.take_along_axis(hm, a[:, None, None], axis=1)[:, 0]
-        d1 = draft_tokens(params, draft_head(params, h1, backend))
+        d1 = draft_ids(params, h1, backend)
         drafts, mtp = _draft_rest(params, cfg, k, d1, h1, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
         new = new.replace(mtp_carry=mtp, drafts=drafts)

@@ -19,7 +19,7 @@ from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, skinny_matmul_triton, supports
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
-from jaxmtp.pallas.matmul.w4a8_triton import w4a8_matmul_triton
+from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_triton, w4a8_matmul_triton
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
 # Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
@@ -34,6 +34,16 @@ GEMV_MAX_ROWS = 1
 # head took 119 / 136 / 173 / 325 us for 1 / 2 / 4 / 8 rows against 212-217 us with the tensor-core kernel
 # (docs/performance.md, run 10).
 W4A8_MAX_ROWS = 4
+# The drafts' argmax inside the dp4a kernel (quantized_argmax): 1 on, 0 off (the logits written, then jnp.argmax).
+DRAFT_ARGMAX_KERNEL = 1
+# An int8 weight with at most LAYER_GEMV_MAX_N outputs is one of the int8 MTP layer's products
+# (:func:`jaxmtp.param_layout.quantize_mtp`), not a head. Up to LAYER_GEMV_MAX_ROWS rows (the recursive drafts'
+# one row) they run the multiply-add kernel with the column scale, the cast and (down_proj) the SwiGLU inside it:
+# one kernel per product, where XLA added a scale kernel (and a SwiGLU kernel) after it. With 4 rows (the verify
+# window's pass) the multiply-adds cost more than the tensor-core kernel's extra kernels: 0.8B qkv / gate|up / down
+# 13.2 / 18.0 / 14.1 us against 4.6 / 5.3 / 4.0 (H100, docs/performance.md run 15), so those stay with it.
+LAYER_GEMV_MAX_N = 65536
+LAYER_GEMV_MAX_ROWS = 1
 
 
 def is_quantized(w) -> bool:
@@ -46,13 +56,13 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
     """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``), or a quantised weight (:func:`is_quantized`, run by
     :func:`quantized_linear`). Returns [..., N] (``out_dtype``, default x.dtype)."""
     if is_quantized(w):
-        y = quantized_linear(x, w["weight"], w["scale"], implementation=implementation)
-        return y.astype(out_dtype or x.dtype)
+        return quantized_linear(x, w["weight"], w["scale"], out_dtype=out_dtype or x.dtype,
+                                implementation=implementation)
     if implementation in (TRITON, TRITON_INTERPRET) and w.size >= MIN_WEIGHT_ELEMENTS:
         n = w.shape[0] if transpose_w else w.shape[1]
         rows = math.prod(x.shape[:-1])
         if rows <= KERNEL_MAX_ROWS and supports(rows, x.shape[-1], n):
-            return skinny_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=out_dtype,
+            return skinny_matmul_triton(x, w, transpose_w=transpose_w, out_dtype=out_dtype, mask_rows=True,
                                         interpret=implementation == TRITON_INTERPRET)
     return matmul_reference(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
@@ -76,8 +86,12 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`. A quantised ``w_t`` (:func:`is_quantized`) runs
     :func:`quantized_linear` after the SwiGLU."""
     if is_quantized(w_t):
-        xin = swiglu_reference(x, w_t["weight"].shape[1]) if swiglu else x
-        return quantized_linear(xin, w_t["weight"], w_t["scale"], implementation=implementation).astype(x.dtype)
+        q, scale = w_t["weight"], w_t["scale"]
+        if _layer_gemv(x, q, implementation, swiglu):
+            return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=x.dtype, swiglu=swiglu,
+                                      interpret=implementation == TRITON_INTERPRET)
+        xin = swiglu_reference(x, q.shape[1]) if swiglu else x
+        return quantized_linear(xin, q, scale, out_dtype=x.dtype, implementation=implementation)
     kdim = w_t.shape[1]
     rows = math.prod(x.shape[:-1])
     if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_GEMV_MAX_ROWS
@@ -92,9 +106,19 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
     return matmul_reference(swiglu_reference(x, kdim) if swiglu else x, w_t, transpose_w=True)
 
 
-def quantized_linear(x, q, scale, *, implementation: str = "xla"):
-    """The draft head's product as float32 [..., N]: x [..., K]; per-row ``scale [N]``; ``q`` int8 [N, K] (result
-    ``(x @ q^T) * scale``) or int4 packed as uint8 [N, K/2] (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`).
+def _layer_gemv(x, q, implementation: str, swiglu: bool = False) -> bool:
+    """Whether an int8 MTP-layer product (see ``LAYER_GEMV_MAX_N``) runs the multiply-add kernel, scale inside."""
+    kdim = q.shape[1]
+    rows = math.prod(x.shape[:-1])
+    return (implementation in (TRITON, TRITON_INTERPRET) and q.dtype == jnp.int8 and q.shape[0] <= LAYER_GEMV_MAX_N
+            and rows <= LAYER_GEMV_MAX_ROWS and x.shape[-1] >= (2 * kdim if swiglu else kdim)
+            and (swiglu or x.shape[-1] == kdim) and gemv_supports(rows, kdim, q.shape[0], True, q.dtype))
+
+
+def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str = "xla"):
+    """A quantised product as ``out_dtype`` [..., N] (float32 by default: the draft head's logits): x [..., K];
+    per-row ``scale [N]``; ``q`` int8 [N, K] (result ``(x @ q^T) * scale``, the float32 product scaled, then cast)
+    or int4 packed as uint8 [N, K/2] (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`).
     An int4 head multiplies the rows quantised to int8 (:func:`jaxmtp.pallas.matmul.reference.w4a8_matmul_reference`:
     ``(xq @ q^T) * row_scale * scale``, the integer sums exact) on every path, so that every backend and row count
     drafts alike. ``"triton"`` streams the quantised weight: one int8 row with :mod:`.gemv_triton`, up to
@@ -108,19 +132,32 @@ def quantized_linear(x, q, scale, *, implementation: str = "xla"):
     kernel = implementation in (TRITON, TRITON_INTERPRET)
     if int4:
         if kernel and rows <= W4A8_MAX_ROWS and w4a8_supports(rows, kdim, n):
-            return w4a8_matmul_triton(x, as_words(q), scale, interpret=interpret)
+            return w4a8_matmul_triton(x, as_words(q), scale, interpret=interpret).astype(out_dtype)
         if kernel and supports(rows, kdim, n, int4=True):
             xq, rs = quantize_rows_int8(x.reshape(rows, kdim))
             y = skinny_matmul_triton(xq.astype(x.dtype), q, transpose_w=True, out_dtype="float32", interpret=interpret)
-            return (y * rs[:, None] * scale).reshape(*lead, n)
-        return w4a8_matmul_reference(x, q, scale)
-    if kernel and rows <= GEMV_MAX_ROWS and gemv_supports(rows, kdim, n, True, q.dtype):
-        return gemv_matmul_triton(x, q, transpose_w=True, interpret=interpret) * scale
+            return (y * rs[:, None] * scale).reshape(*lead, n).astype(out_dtype)
+        return w4a8_matmul_reference(x, q, scale).astype(out_dtype)
+    if _layer_gemv(x, q, implementation) or (kernel and rows <= GEMV_MAX_ROWS
+                                              and gemv_supports(rows, kdim, n, True, q.dtype)):
+        return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=out_dtype, interpret=interpret)
     if kernel and supports(rows, kdim, n):
-        return skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", interpret=interpret) * scale
-    return quantized_matmul_reference(x, q, scale)
+        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", mask_rows=True, interpret=interpret)
+        return (y * scale).astype(out_dtype)
+    return quantized_matmul_reference(x, q, scale).astype(out_dtype)
+
+
+def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
+    """``argmax(quantized_linear(x, q, scale), axis=-1)`` as int32 [...] (the drafts' greedy choice). An int4 head with
+    up to ``W4A8_MAX_ROWS`` rows on ``"triton"`` never writes the logits (:func:`w4a8_argmax_triton`); the index is
+    the same (the first of the largest values, computed as the product kernel computes them)."""
+    rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
+    if (DRAFT_ARGMAX_KERNEL and q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
+            and rows <= W4A8_MAX_ROWS and w4a8_supports(rows, kdim, n)):
+        return w4a8_argmax_triton(x, as_words(q), scale, interpret=implementation == TRITON_INTERPRET)
+    return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 
 __all__ = ["MAX_ROWS", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference", "output_linear",
-           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
-           "w4a8_matmul_reference", "w4a8_matmul_triton"]
+           "quantized_argmax", "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports",
+           "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference", "w4a8_matmul_triton"]

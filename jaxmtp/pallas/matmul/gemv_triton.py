@@ -58,22 +58,24 @@ def supports(m: int, k: int, n: int, transpose_w: bool, w_dtype) -> bool:
     return 0 < m <= MAX_ROWS and n % 8 == 0 and k % INT4_BLOCK == 0 and (transpose_w or not quantised)
 
 
-def plan(k: int, n: int, transpose_w: bool, w_dtype):
+def plan(k: int, n: int, transpose_w: bool, w_dtype, m: int = 1):
     """Default ``(BN, BK, splits, num_warps, num_stages)``. Quantised (the draft head): the H100 sweep of
     scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head).
     int8 with N <= 65536 (the int8 MTP layer's products): fewer rows per program and longer steps, so that N of a
     few thousand still gives enough programs (H100 sweep at the 4B MTP shapes, docs/performance.md run 13: N = 2560
-    products 1.4-2.3x faster than with the head's tiles). Floating ``[N, K]`` (a block's output product): a few rows
+    products 1.4-2.3x faster than with the head's tiles); with 3-4 rows (the verify window's pass) steps half as
+    long, so that the four accumulators fit in registers. Floating ``[N, K]`` (a block's output product): a few rows
     per program, long steps along K (H100 sweep, docs/performance.md run 12). ``[K, N]`` bf16 weights stay with XLA in
     the engine (its split-K products were faster than this kernel's)."""
     bn = 16 if n % 16 == 0 else 8
     if jnp.dtype(w_dtype) == jnp.uint8:
         return bn, INT4_BLOCK, 1, 4, 4
     if transpose_w and jnp.dtype(w_dtype) == jnp.int8:
+        longest = 1 if m <= 2 else 2  # shorter steps for 3-4 rows
         if n <= 4096 and n % 2 == 0:
-            return 2, next(b for b in (1024, 512, 256, 128) if k % b == 0), 1, 4, 2
+            return 2, next(b for b in (1024 // longest, 512, 256, 128) if k % b == 0), 1, 4, 2
         if n <= 65536 and n % 8 == 0:
-            return 8, next(b for b in (512, 256, 128) if k % b == 0), 1, 4, 2
+            return 8, next(b for b in (512 // longest, 256, 128) if k % b == 0), 1, 4, 2
         return bn, 256 if k % 256 == 0 else 128, 1, 4, 4
     if transpose_w:
         bk = next(b for b in (1024, 512, 256, 128) if k % b == 0)
@@ -93,7 +95,8 @@ def _row(x_ref, r, off, bk, swiglu):
     return (g / (1.0 + jnp.exp(-g)) * u).astype(x_ref.dtype).astype(f32)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpack, swiglu):
+def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, swiglu):
+    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     f32 = jnp.float32
     k0 = pl.program_id(1) * k_per_split
     bn = o_ref.shape[-1]
@@ -117,37 +120,44 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, unpac
         return tuple(acc + w * _row(x_ref, r, off, bk, swiglu)[:, None] for r, acc in enumerate(accs))
 
     accs = lax.fori_loop(0, k_per_split // bk, body, tuple(jnp.zeros(shape, f32) for _ in range(m)))
+    scale = None if scale_ref is None else scale_ref[...]
     for r, acc in enumerate(accs):
-        o_ref[r, :] = jnp.sum(acc, axis=1 if transpose_w else 0).astype(o_ref.dtype)
+        total = jnp.sum(acc, axis=1 if transpose_w else 0)
+        o_ref[r, :] = (total if scale is None else total * scale).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
                                              "num_warps", "num_stages", "unpack", "swiglu", "interpret"))
-def gemv_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
-                       num_warps=None, num_stages=None, unpack="magic", swiglu=False, interpret=False):
+def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None,
+                       splits=None, num_warps=None, num_stages=None, unpack="magic", swiglu=False, interpret=False):
     """x [..., K] (1-4 rows in all); w [K, N], or [N, K] / int8 [N, K] / packed int4 uint8 [N, K/2] with
     ``transpose_w``. Returns ``x @ W`` [..., N] in ``out_dtype`` (default x.dtype; quantised weights give the
-    unscaled float32 product of the integer values). ``swiglu``: x is [..., >= 2K] (gate | up) and the product's
-    input ``silu(gate) * up`` (floating weights only)."""
+    unscaled float32 product of the integer values). ``scale`` (float32 [N], one split only): each column's float32
+    sum is multiplied by it before the cast to ``out_dtype``, as
+    :func:`jaxmtp.pallas.matmul.reference.quantized_matmul_reference` does (the quantised MTP layer's products end
+    here, in the activations' dtype, with no scale kernel after them). ``swiglu``: x is [..., >= 2K] (gate | up) and
+    the product's input ``silu(gate) * up`` (floating or int8 weights)."""
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
     int4 = w.dtype == jnp.uint8
-    bad_swiglu = swiglu and (x.shape[-1] < 2 * kdim or jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8))
-    if not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu:
+    bad_swiglu = swiglu and (x.shape[-1] < 2 * kdim or int4)
+    bad_scale = scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32)
+    if (not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu
+            or bad_scale):
         raise ValueError(f"unsupported gemv: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}"
-                         f", swiglu={swiglu}")
+                         f", swiglu={swiglu}, scale {None if scale is None else (scale.shape, scale.dtype)}")
     quantised = jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8)
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if quantised else x.dtype))
-    bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype)
+    bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype, m)
     bn, bk, ns = block_n or bn0, block_k or bk0, splits or s0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
-    if n % bn or kdim % (bk * ns):
-        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
+    if n % bn or kdim % (bk * ns) or (scale is not None and ns != 1):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split a scaled product)")
     kernel = functools.partial(_kernel, m=m, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
                                unpack=unpack, swiglu=kdim if swiglu else 0)
     return launch_row_kernel(kernel, x, w, rows=next_pow2(m), block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or nw0, num_stages=num_stages or st0,
-                             interpret=interpret, name="gemv")
+                             interpret=interpret, name="gemv", column_scale=scale)

@@ -55,11 +55,16 @@ def as_words(b: jax.Array) -> jax.Array:
 
 
 def quantize_rows_int8(x: jax.Array):
-    """Symmetric dynamic int8 per row: x [m, K] -> (q int8 [m, K], scale float32 [m]) with x ~= q * scale."""
+    """Symmetric dynamic int8 per row: x [m, K] -> (q int8 [m, K], scale float32 [m]) with x ~= q * scale:
+    ``scale = max|x| / 127``, ``q = round(x * (127 / max|x|))`` (ties to even). A multiply by the reciprocal, not a
+    division by the scale, because every backend rounds a multiply alike, while XLA may turn a division by a
+    broadcast into a multiply of its own; so the GPU kernel (:func:`jaxmtp.pallas.matmul.w4a8_triton.quantize_rows_triton`)
+    gives these bits exactly."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+    inv = jnp.where(amax > 0, 127.0 / amax, 1.0)
+    return jnp.clip(jnp.round(x * inv[..., None]), -127, 127).astype(jnp.int8), scale
 
 
 def w4a8_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:

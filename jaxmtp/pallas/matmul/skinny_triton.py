@@ -111,8 +111,8 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
                          num_warps=None, num_stages=None, swiglu=False, mask_rows=False, interpret=False):
     """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
     x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
-    (one split along K only): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
-    (no pad kernel before it, no slice after)."""
+    (not with int4 weights): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
+    (no pad kernel before it; with one split no slice after, with several the split-K sum takes the live rows)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
@@ -127,9 +127,11 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
     bn, bk = block_n or bn0, block_k or bk0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
-    ns = splits or (s0 if block_n is None and block_k is None and not mask_rows else 1)
-    if n % bn or kdim % (bk * ns) or (mask_rows and ns != 1):
-        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split masked rows)")
+    ns = splits or (s0 if block_n is None and block_k is None else 1)
+    if mask_rows and int4:
+        raise ValueError("masked rows are not supported with int4 weights")
+    if n % bn or kdim % (bk * ns):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}]")
     kernel = functools.partial(_kernel, m=m if mask_rows else mp, bk=bk, k_per_split=kdim // ns,
                                transpose_w=transpose_w, int4=int4, swiglu=kdim if swiglu else 0,
                                dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret))
@@ -139,19 +141,21 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
-                      interpret, name, pad=True):
+                      interpret, name, pad=True, column_scale=None):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
-    rows (``pad=False``: not padded, the kernel masks the missing rows; one split only), grid ``(N / block_n,
+    rows (``pad=False``: not padded, the kernel masks the missing rows; with several splits the partials' rows from
+    m on are left unwritten and dropped after the sum), grid ``(N / block_n,
     splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of
-    the output (float32 partials per split, summed here). Returns [..., N] in ``out_dtype``."""
+    the output (float32 partials per split, summed here). ``column_scale`` [N] (one split only) is passed to the
+    kernel as a third input, its ``block_n`` slice per program. Returns [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.reshape(m, kdim)
     if rows != m and pad:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
-    if not pad and splits != 1:
-        raise ValueError("unpadded rows need one split along K")
+    if column_scale is not None and splits != 1:
+        raise ValueError("column scales need one split along K")
     w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
               else pl.BlockSpec((w.shape[0], block_n), lambda j, s: (0, j)))
     if splits == 1:
@@ -160,16 +164,20 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
     else:
         out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
         out_spec = pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j))
+    in_specs, args = [pl.BlockSpec((rows, kdim), lambda j, s: (0, 0)), w_spec], [x2, w]
+    if column_scale is not None:
+        in_specs.append(pl.BlockSpec((block_n,), lambda j, s: (j,)))
+        args.append(column_scale)
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec((rows, kdim), lambda j, s: (0, 0)), w_spec],
+        in_specs=in_specs,
         out_specs=out_spec,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
-    )(x2, w)
+    )(*args)
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)

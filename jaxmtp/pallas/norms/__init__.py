@@ -11,7 +11,8 @@ the GPU measurements).
 from __future__ import annotations
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, supports
+from jaxmtp.layers.norms import rms_norm as rms_norm_reference
+from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, rms_norm_triton, supports
 from jaxmtp.pallas.norms.reference import add_rms_norm_reference
 
 
@@ -22,4 +23,13 @@ def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
     return add_rms_norm_reference(x, y, weight, eps)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "supports"]
+def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):
+    """The norm alone (:func:`jaxmtp.layers.norms.rms_norm`), on the same kernel where it applies: the MTP layer's
+    input norm, whose input is a product's output rather than a residual sum."""
+    if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
+        return rms_norm_triton(x, weight, eps, interpret=implementation == TRITON_INTERPRET)
+    return rms_norm_reference(x, weight, eps)
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "rms_norm", "rms_norm_reference",
+           "rms_norm_triton", "supports"]

@@ -34,23 +34,33 @@ def supports(h: int) -> bool:
     return h > 0 and chunk_size(h) >= MIN_CHUNK and h // chunk_size(h) <= MAX_CHUNKS
 
 
-def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, chunk, eps):
+def _kernel(*refs, chunk, eps):
+    """refs: ``x, y, w, s, h`` (add and norm) or ``x, w, h`` (norm only)."""
+    if len(refs) == 3:
+        x_ref, w_ref, h_ref = refs
+        y_ref = s_ref = None
+    else:
+        x_ref, y_ref, w_ref, s_ref, h_ref = refs
     # Every load is issued before the first store: Triton keeps memory operations in program order where it cannot
     # prove the pointers distinct, so interleaving "load chunk j, store chunk j" costs one memory round trip per
     # chunk (5 at H = 2560: the kernel took ~5 us in the 4B decode step, docs/kernels.md).
     n = x_ref.shape[-1]
     sls = [pl.ds(j * chunk, chunk) for j in range(n // chunk)]
     xs = [x_ref[sl] for sl in sls]
-    ys = [y_ref[sl] for sl in sls]
     ws = [w_ref[sl] for sl in sls]
-    ss = [(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype) for x, y in zip(xs, ys)]
+    if y_ref is None:
+        ss = xs
+    else:
+        ys = [y_ref[sl] for sl in sls]
+        ss = [(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype) for x, y in zip(xs, ys)]
     sq = jnp.zeros((chunk,), jnp.float32)
     for s in ss:
         s32 = s.astype(jnp.float32)
         sq = sq + s32 * s32  # one cross-thread reduction at the end, not one per chunk
     inv = jax.lax.rsqrt(jnp.sum(sq) / n + eps)
     for sl, s, w in zip(sls, ss, ws):
-        s_ref[sl] = s
+        if s_ref is not None:
+            s_ref[sl] = s
         h_ref[sl] = (s.astype(jnp.float32) * inv * (1.0 + w.astype(jnp.float32))).astype(h_ref.dtype)
 
 
@@ -75,3 +85,24 @@ def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
         name="add_rms_norm",
     )(x.reshape(rows, hdim), y.reshape(rows, hdim), weight)
     return s.reshape(x.shape), h.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def rms_norm_triton(x, weight, eps, *, num_warps=None, interpret=False):
+    """:func:`jaxmtp.layers.norms.rms_norm` (no residual add) with the same kernel: one launch where XLA runs two."""
+    lead, hdim = x.shape[:-1], x.shape[-1]
+    if not supports(hdim) or weight.shape != (hdim,):
+        raise ValueError(f"unsupported row length H={hdim} or weight {weight.shape}")
+    rows = math.prod(lead)
+    row = pl.BlockSpec((None, hdim), lambda r: (r, 0))
+    h = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((rows, hdim), x.dtype),
+        grid=(rows,),
+        in_specs=[row, pl.BlockSpec((hdim,), lambda r: (0,))],
+        out_specs=row,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        interpret=interpret,
+        name="rms_norm",
+    )(x.reshape(rows, hdim), weight)
+    return h.reshape(x.shape)
