@@ -13,6 +13,7 @@ from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
 from jaxmtp.model import draft_head, draft_ids, forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
+import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.pallas.matmul import quantized_linear
 from jaxmtp.pallas.matmul.reference import unpack_int4
 from jaxmtp.config import ConfigError
@@ -190,7 +191,7 @@ def test_int4_product_kernel_matches_float64(rng, m, k, n):
         assert err < 1e-6, (impl, err)
 
 
-def test_int4_draft_head_stays_within_its_error_bound(rng):
+def test_int4_draft_head_stays_within_its_error_bound(rng, monkeypatch):
     cfg = _config(False).replace(hidden_size=128)  # int4 packs K in blocks of 128
     native = init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1)
     params = serving_layout(native, draft_head_bits=4)
@@ -206,7 +207,9 @@ def test_int4_draft_head_stays_within_its_error_bound(rng):
     q_abs = np.abs(np.asarray(unpack_int4(dh["weight"]), np.float64)).sum(1)[None]
     bound = s / 2 * np.abs(h64).sum(1)[:, None] + (np.abs(h64).max(1)[:, None] / 127) / 2 * q_abs * s
     assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
-    # the drafts' ids: the kernel's argmax without the logits (1-4 rows) is the argmax of its logits
+    # the drafts' ids: the kernel's argmax without the logits (1 row by default; here up to 4) is the argmax of
+    # its logits, and other row counts take the logits' argmax
+    monkeypatch.setattr(matmul_mod, "DRAFT_ARGMAX_MAX_ROWS", 4)
     for rows in (1, 3, 4, 7):
         hb = h[:rows]
         for impl in ("triton_interpret", "xla"):

@@ -34,8 +34,11 @@ GEMV_MAX_ROWS = 1
 # head took 119 / 136 / 173 / 325 us for 1 / 2 / 4 / 8 rows against 212-217 us with the tensor-core kernel
 # (docs/performance.md, run 10).
 W4A8_MAX_ROWS = 4
-# The drafts' argmax inside the dp4a kernel (quantized_argmax): 1 on, 0 off (the logits written, then jnp.argmax).
-DRAFT_ARGMAX_KERNEL = 1
+# Up to this many rows the drafts' argmax runs inside the dp4a kernel (quantized_argmax; 0: never, the logits are
+# written and jnp.argmax reads them). H100, 4B head (docs/performance.md run 15): 1 row 120.5 us against 120.8 with
+# the argmax after it, in the step one reduction kernel instead of three; 2 rows 141.4 against 138.8, 4 rows 195.9
+# against 181.3 (the per-row epilogue costs more than the logits it saves), so one row only.
+DRAFT_ARGMAX_MAX_ROWS = 1
 # An int8 weight with at most LAYER_GEMV_MAX_N outputs is one of the int8 MTP layer's products
 # (:func:`jaxmtp.param_layout.quantize_mtp`), not a head. Up to LAYER_GEMV_MAX_ROWS rows (the recursive drafts'
 # one row) they run the multiply-add kernel with the column scale, the cast and (down_proj) the SwiGLU inside it:
@@ -149,11 +152,11 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
 
 def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     """``argmax(quantized_linear(x, q, scale), axis=-1)`` as int32 [...] (the drafts' greedy choice). An int4 head with
-    up to ``W4A8_MAX_ROWS`` rows on ``"triton"`` never writes the logits (:func:`w4a8_argmax_triton`); the index is
-    the same (the first of the largest values, computed as the product kernel computes them)."""
+    up to ``DRAFT_ARGMAX_MAX_ROWS`` rows on ``"triton"`` never writes the logits (:func:`w4a8_argmax_triton`); the
+    index is the same (the first of the largest values, computed as the product kernel computes them)."""
     rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
-    if (DRAFT_ARGMAX_KERNEL and q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
-            and rows <= W4A8_MAX_ROWS and w4a8_supports(rows, kdim, n)):
+    if (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
+            and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, n)):
         return w4a8_argmax_triton(x, as_words(q), scale, interpret=implementation == TRITON_INTERPRET)
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
