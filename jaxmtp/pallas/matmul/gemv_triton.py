@@ -71,11 +71,11 @@ def plan(k: int, n: int, transpose_w: bool, w_dtype, m: int = 1):
     if jnp.dtype(w_dtype) == jnp.uint8:
         return bn, INT4_BLOCK, 1, 4, 4
     if transpose_w and jnp.dtype(w_dtype) == jnp.int8:
-        longest = 1 if m <= 2 else 2  # shorter steps for 3-4 rows
+        shrink = 1 if m <= 2 else 2  # steps half as long for 3-4 rows
         if n <= 4096 and n % 2 == 0:
-            return 2, next(b for b in (1024 // longest, 512, 256, 128) if k % b == 0), 1, 4, 2
+            return 2, next(b for b in (1024 // shrink, 512, 256, 128) if k % b == 0), 1, 4, 2
         if n <= 65536 and n % 8 == 0:
-            return 8, next(b for b in (512 // longest, 256, 128) if k % b == 0), 1, 4, 2
+            return 8, next(b for b in (512 // shrink, 256, 128) if k % b == 0), 1, 4, 2
         return bn, 256 if k % 256 == 0 else 128, 1, 4, 4
     if transpose_w:
         bk = next(b for b in (1024, 512, 256, 128) if k % b == 0)

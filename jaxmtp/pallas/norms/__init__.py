@@ -1,5 +1,5 @@
 """Fused residual add + zero-centred RMSNorm: ``(s, h) = (x + y, rms_norm(x + y, w))``, the model's residual add
-followed by the next norm.
+followed by the next norm; and :func:`rms_norm`, the norm alone on the same kernel.
 
 ``add_rms_norm(x, y, weight, eps, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` /
 ``"triton_interpret"`` run :func:`add_rms_norm_triton` when it takes the row length (:func:`supports`: all Qwen3.5

@@ -6,7 +6,8 @@ writes ``s = x + y`` rounded to the input dtype (the residual stream, as the mod
 so a row of H is handled as ``H / C`` static chunks of ``C``, the largest power of two dividing H (capped at 4096):
 one chunk for H = 1024, 2048, 4096, five of 512 / 1024 for H = 2560 / 5120. The chunks stay in registers between
 the sum of squares and the write of ``h``; no padding, no masks. Picked by ``"auto"`` on NVIDIA GPUs since run 11:
-one launch where XLA runs two after the product's split-K reduction (docs/kernels.md).
+one launch where XLA runs two after the product's split-K reduction (docs/kernels.md). :func:`rms_norm_triton` is the
+same kernel without the add (the MTP layer's input norm).
 """
 
 from __future__ import annotations
