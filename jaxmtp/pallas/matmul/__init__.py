@@ -24,7 +24,8 @@ from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_triton, w4a8_matmul_tri
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
 # Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
 # kernel fixes XLA's slow single-row products (batch-1 decode 7.8 -> 1.8 ms), but with 8-32 rows it was 5-10% slower
-# than XLA's gemms.
+# than XLA's gemms; on an H100 with the rows unpadded, the 4-row verify products made the 0.8B k = 3 step 3.8% slower
+# (docs/performance.md, run 15).
 KERNEL_MAX_ROWS = 1
 # An int8 head's one-row product (a batch-1 draft) runs the multiply-add kernel: on an H100 the 4B head took 231 us
 # against 249 us with the tensor-core kernel (docs/performance.md, run 9). With more rows each row repeats the
