@@ -214,7 +214,11 @@ def draft_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax
 def draft_tokens(params: Params, logits: jax.Array) -> jax.Array:
     """Greedy drafts: int32 token ids [...] of the argmax of :func:`draft_head` logits [..., N] (mapped through the
     hot vocabulary's ids when the draft head has one)."""
-    idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _vocab_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def _vocab_ids(params: Params, idx: jax.Array) -> jax.Array:
+    """Row indices of the draft head -> token ids (through the hot vocabulary's ids when the head has one)."""
     dh = params.get("draft_head")
     return dh["ids"][idx] if dh is not None and "ids" in dh else idx
 
@@ -226,8 +230,7 @@ def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.
     dh = params.get("draft_head")
     if dh is None or "scale" not in dh:
         return draft_tokens(params, draft_head(params, hidden, backend))
-    idx = quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
-    return dh["ids"][idx] if "ids" in dh else idx
+    return _vocab_ids(params, quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head))
 
 
 def describe_draft_head(params: Params, vocab_size: int) -> str:

@@ -49,6 +49,12 @@ def mm(a, b, *, ta: bool = False, tb: bool = False, dtype=jnp.float32, interpret
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def swiglu_tile(g, u, dtype):
+    """``silu(g) * u`` of float32 tiles inside a kernel (``g / (1 + exp(-g))``: ops every lowering has), rounded to
+    ``dtype`` as the materialised activation is (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`)."""
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
+
+
 def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """``x * rsqrt(sum(x^2) + eps)`` over the last axis (float32)."""
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -142,8 +142,8 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
             y = skinny_matmul_triton(xq.astype(x.dtype), q, transpose_w=True, out_dtype="float32", interpret=interpret)
             return (y * rs[:, None] * scale).reshape(*lead, n).astype(out_dtype)
         return w4a8_matmul_reference(x, q, scale).astype(out_dtype)
-    if _layer_gemv(x, q, implementation) or (kernel and rows <= GEMV_MAX_ROWS
-                                              and gemv_supports(rows, kdim, n, True, q.dtype)):
+    gemv_rows = LAYER_GEMV_MAX_ROWS if n <= LAYER_GEMV_MAX_N else GEMV_MAX_ROWS  # an MTP layer product, or a head
+    if kernel and rows <= gemv_rows and gemv_supports(rows, kdim, n, True, q.dtype):
         return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=out_dtype, interpret=interpret)
     if kernel and supports(rows, kdim, n):
         y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", mask_rows=True, interpret=interpret)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxmtp.pallas._common import next_pow2
+from jaxmtp.pallas._common import next_pow2, swiglu_tile
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.pallas.matmul.skinny_triton import launch_row_kernel
 
@@ -92,7 +92,7 @@ def _row(x_ref, r, off, bk, swiglu):
         return x_ref[r, pl.ds(off, bk)].astype(f32)
     g = x_ref[r, pl.ds(off, bk)].astype(f32)
     u = x_ref[r, pl.ds(swiglu + off, bk)].astype(f32)
-    return (g / (1.0 + jnp.exp(-g)) * u).astype(x_ref.dtype).astype(f32)
+    return swiglu_tile(g, u, x_ref.dtype).astype(f32)
 
 
 def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, swiglu):

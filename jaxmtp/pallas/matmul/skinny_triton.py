@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import mm, next_pow2, work_dtype
+from jaxmtp.pallas._common import mm, next_pow2, swiglu_tile, work_dtype
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 NUM_SMS = 132  # H100 / H200; sets how far the K axis is split
@@ -78,7 +78,7 @@ def _rows(x_ref, off, bk, m, swiglu):
     if not swiglu:
         return load(off)
     g, u = load(off).astype(jnp.float32), load(swiglu + off).astype(jnp.float32)
-    return (g / (1.0 + jnp.exp(-g)) * u).astype(x_ref.dtype)
+    return swiglu_tile(g, u, x_ref.dtype)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
@@ -144,9 +144,8 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
                       interpret, name, pad=True, column_scale=None):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
     rows (``pad=False``: not padded, the kernel masks the missing rows; with several splits the partials' rows from
-    m on are left unwritten and dropped after the sum), grid ``(N / block_n,
-    splits)``, program j reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of
-    the output (float32 partials per split, summed here). ``column_scale`` [N] (one split only) is passed to the
+    m on are left unwritten and dropped after the sum), grid ``(N / block_n, splits)``, program j reading W's column
+    (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output (float32 partials per split, summed here). ``column_scale`` [N] (one split only) is passed to the
     kernel as a third input, its ``block_n`` slice per program. Returns [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)

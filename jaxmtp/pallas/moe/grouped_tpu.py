@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxmtp.pallas._common import work_dtype
+from jaxmtp.pallas._common import swiglu_tile, work_dtype
 from jaxmtp.pallas.moe.layout import choose_layout, combine, gather_rows, make_layout
 
 _VMEM_TILE_BYTES = 4 << 20  # per weight tile (double-buffered by the pipeline)
@@ -55,7 +55,7 @@ def _up_kernel(be_ref, nv_ref, x_ref, *refs, i_size, split_cols, dtype):
             gu_ref, act_ref = refs
             hh = _dot(x, gu_ref[...], dtype)
             g, u = hh[:, :i_size], hh[:, i_size:]
-        act_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(act_ref.dtype)
+        act_ref[...] = swiglu_tile(g, u, act_ref.dtype)
 
 
 def _down_kernel(be_ref, nv_ref, a_ref, d_ref, y_ref, *, dtype):

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import mm, work_dtype
+from jaxmtp.pallas._common import mm, swiglu_tile, work_dtype
 from jaxmtp.pallas.moe.layout import choose_layout, combine, gather_rows, make_layout
 
 NUM_SMS = 132  # H100 / H200; only sets the tile widths and the H split at small sizes
@@ -81,7 +81,7 @@ def _up_kernel(be_ref, nv_ref, x_ref, gu_ref, *out_refs, bn, bk, i_size, h_part,
         g, u = lax.fori_loop(0, h_part // bk, body, (zero, zero))
         if split == 1:
             act_ref, = out_refs
-            act_ref[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(act_ref.dtype)
+            act_ref[...] = swiglu_tile(g, u, act_ref.dtype)
         else:
             g_ref, u_ref = out_refs
             g_ref[...] = g

@@ -13,7 +13,6 @@ same kernel without the add (the MTP layer's input norm).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,45 +64,40 @@ def _kernel(*refs, chunk, eps):
         h_ref[sl] = (s.astype(jnp.float32) * inv * (1.0 + w.astype(jnp.float32))).astype(h_ref.dtype)
 
 
+def _launch(rows_in, weight, eps, num_warps, interpret, name):
+    """One program per row of the ``[R, H]`` arrays ``rows_in`` (x, or x and y) and ``weight [H]``; returns the
+    kernel's ``[R, H]`` outputs (h, or s and h) in x's dtype."""
+    r, hdim = rows_in[0].shape
+    row = pl.BlockSpec((None, hdim), lambda i: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
+        out_shape=[jax.ShapeDtypeStruct((r, hdim), rows_in[0].dtype)] * len(rows_in),
+        grid=(r,),
+        in_specs=[row] * len(rows_in) + [pl.BlockSpec((hdim,), lambda i: (0,))],
+        out_specs=[row] * len(rows_in),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*rows_in, weight)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
     """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts."""
-    lead, hdim = x.shape[:-1], x.shape[-1]
+    hdim = x.shape[-1]
     if not supports(hdim):
         raise ValueError(f"unsupported row length H={hdim}: needs H = n * C, C a power of two >= 16, n <= 16")
     if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,):
         raise ValueError(f"shapes x {x.shape} {x.dtype}, y {y.shape} {y.dtype}, weight {weight.shape} do not match")
-    rows = math.prod(lead)
-    row = pl.BlockSpec((None, hdim), lambda r: (r, 0))
-    s, h = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
-        out_shape=[jax.ShapeDtypeStruct((rows, hdim), x.dtype)] * 2,
-        grid=(rows,),
-        in_specs=[row, row, pl.BlockSpec((hdim,), lambda r: (0,))],
-        out_specs=[row, row],
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
-        interpret=interpret,
-        name="add_rms_norm",
-    )(x.reshape(rows, hdim), y.reshape(rows, hdim), weight)
+    s, h = _launch([x.reshape(-1, hdim), y.reshape(-1, hdim)], weight, eps, num_warps, interpret, "add_rms_norm")
     return s.reshape(x.shape), h.reshape(x.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def rms_norm_triton(x, weight, eps, *, num_warps=None, interpret=False):
     """:func:`jaxmtp.layers.norms.rms_norm` (no residual add) with the same kernel: one launch where XLA runs two."""
-    lead, hdim = x.shape[:-1], x.shape[-1]
+    hdim = x.shape[-1]
     if not supports(hdim) or weight.shape != (hdim,):
         raise ValueError(f"unsupported row length H={hdim} or weight {weight.shape}")
-    rows = math.prod(lead)
-    row = pl.BlockSpec((None, hdim), lambda r: (r, 0))
-    h = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
-        out_shape=jax.ShapeDtypeStruct((rows, hdim), x.dtype),
-        grid=(rows,),
-        in_specs=[row, pl.BlockSpec((hdim,), lambda r: (0,))],
-        out_specs=row,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
-        interpret=interpret,
-        name="rms_norm",
-    )(x.reshape(rows, hdim), weight)
+    [h] = _launch([x.reshape(-1, hdim)], weight, eps, num_warps, interpret, "rms_norm")
     return h.reshape(x.shape)
