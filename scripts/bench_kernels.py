@@ -742,16 +742,20 @@ def section_moe_sweep():
     gate_up, down = moe_weights(e, h, i)
     per_expert = (h * 2 * i + i * h) * gate_up.dtype.itemsize
     variants = [dict(), dict(layout="pairs"), dict(layout="sorted"), dict(split_h=1), dict(split_h=2),
-                dict(split_h=4), dict(block_up=64), dict(block_up=32), dict(block_down=64), dict(block_down=128),
-                dict(block_k=64), dict(num_stages=4), dict(num_warps=2)]
-    for n in ((1, 8, 32, 128, 512) if not sm else (1, 13)):
+                dict(split_h=4), dict(block_up=16), dict(block_up=32), dict(block_up=64), dict(block_up=128),
+                dict(block_k=64), dict(block_k=256), dict(num_warps=2), dict(num_warps=8), dict(num_stages=2),
+                dict(num_stages=4), dict(num_stages=5), dict(block_down=32), dict(block_down=64),
+                dict(block_down=128), dict(block_down=256), dict(block_k_down=64), dict(block_k_down=256),
+                dict(block_k_down=512), dict(num_warps_down=2), dict(num_warps_down=8), dict(num_stages_down=2),
+                dict(num_stages_down=4), dict(num_stages_down=5)]
+    for n in (ARGS.moe_tokens or ((1, 4, 8, 32, 128, 512) if not sm else (1, 13))):
         x, w, experts = moe_inputs(n, e, kk, h)
         nbytes = len(np.unique(np.asarray(experts))) * per_expert + 2 * n * h * x.dtype.itemsize
         base = moe_plan_kw(n * kk, e, h, i)
         for kw in variants:
             if out_of_time("moe_sweep"):
                 return
-            if kw and all(base[k] == v for k, v in kw.items()):  # the plan itself
+            if kw and all(base.get(k) == v for k, v in kw.items()):  # the plan itself
                 continue
             if (kw.get("layout") == "pairs" and n > 32) or (sm and kw and "layout" not in kw):
                 continue
@@ -831,6 +835,8 @@ def main():
     p.add_argument("--timer", choices=("wall", "trace"), default="wall",
                    help="wall: difference of two chained loops' wall times; trace: device kernel time from a "
                         "profiler trace (scripts/devtime.py), steadier for ops of a few microseconds")
+    p.add_argument("--moe-tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
+                   help="token counts of the moe_sweep section (default 1,4,8,32,128,512)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
     p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")

@@ -105,13 +105,15 @@ def _down_kernel(be_ref, nv_ref, a_ref, d_ref, y_ref, *, bn, bk, dtype, interpre
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "block_rows", "block_up", "block_k", "split_h",
-                                             "block_down", "block_k_down", "num_warps", "num_stages", "interpret"))
+                                             "block_down", "block_k_down", "num_warps", "num_stages", "num_warps_down",
+                                             "num_stages_down", "interpret"))
 def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block_rows=None, block_up=None,
                        block_k=None, split_h=None, block_down=None, block_k_down=None, num_warps=None,
-                       num_stages=None, interpret=False):
+                       num_stages=None, num_warps_down=None, num_stages_down=None, interpret=False):
     """Same contract as :func:`moe_reference`; H and I must be multiples of 16. The keywords override the plan:
     ``layout`` ("pairs" / "sorted"), ``block_rows`` (bm), the up kernel's column tile, H slice and H split, the
-    down kernel's column tile and I slice (powers of two >= 16 dividing the dims), and the Triton launch settings."""
+    down kernel's column tile and I slice (powers of two >= 16 dividing the dims), and the Triton launch settings
+    (``num_warps`` / ``num_stages`` for ``up``; the ``_down`` pair for ``down``, default the same)."""
     n, h = x.shape
     k = experts.shape[1]
     num_experts, _, two_i = gate_up.shape
@@ -162,7 +164,8 @@ def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block
         in_specs=[whole(lay.block_expert), whole(lay.n_valid), pl.BlockSpec((bm, i_size), lambda c, rb: (rb, 0)),
                   whole(down)],
         out_specs=pl.BlockSpec((bm, bn2), lambda c, rb: (rb, c)),
-        compiler_params=params,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps_down or num_warps or 4,
+                                            num_stages=num_stages_down or num_stages or 3),
         interpret=interpret,
         name="moe_down",
     )(lay.block_expert, lay.n_valid, act, down)
