@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import FULL, Qwen35Config
-from jaxmtp.layers.attention import KVCache, gated_attention
+from jaxmtp.layers.attention import KVCache, gated_attention, take_rows
 from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
@@ -170,22 +170,26 @@ def init_mtp_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat
 # Forward
 # ---------------------------------------------------------------------------------------------------------------
 def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *, h=None,
-                  gdn_form="chunk", step_states=False, backend: Backend = XLA):
+                  gdn_form="chunk", step_states=False, backend: Backend = XLA, out_rows=None):
     """Pre-norm residual block ``r = x + mixer(norm(x)); out = r + mlp(norm(r))``, returning ``(r, mlp, new layer
     carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
-    when the caller already has it (the previous block's fused add and norm)."""
+    when the caller already has it (the previous block's fused add and norm). ``out_rows`` [B] int32: the block's
+    output only at that row of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row."""
     if h is None:
         h = norm_kernel(x, lp["input_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul,
-                                   prelude=backend.attention_prelude, out_matmul=backend.out_matmul)
+                                   prelude=backend.attention_prelude, out_matmul=backend.out_matmul,
+                                   out_rows=out_rows)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
                                   step_states=step_states, implementation=impl, matmul=backend.matmul,
                                   mixer=backend.gdn_mixer, out_matmul=backend.out_matmul)
-    x, h = add_rms_norm(x, y, lp["post_attention_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
+        y = take_rows(y, out_rows)
+    x, h = add_rms_norm(take_rows(x, out_rows), y, lp["post_attention_layernorm"], cfg.rms_norm_eps,
+                        implementation=backend.norm)
     mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul,
                    out_matmul=backend.out_matmul) if moe
            else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul))
@@ -301,13 +305,17 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
 
 
 def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry, *, cfg: Qwen35Config,
-                step: int = 0, logits: str = "all", backend: Backend = XLA):
+                step: int = 0, logits: str = "all", backend: Backend = XLA, out_rows=None):
     """One MTP draft pass.
 
     Row p combines the embedding of ``next_tokens[p]`` (the token at position p+1) with ``hidden[p]`` (the target's
     final-normed hidden at p, or the MTP's own output for recursive steps), runs the full-attention MTP layer
     ``step % N`` at ``positions[p]`` and returns ``(logits predicting position p+2, mtp hidden after mtp.norm,
     new mtp carry)``. The logits are the drafts' (:func:`draft_head`).
+
+    ``out_rows`` [B] int32: only that row of each window is drafted from (logits and hidden [B, 1, ...]). Every row
+    still writes its keys and values into the carry, but o_proj, the MLP (an MoE's experts) and the final norm run
+    on one row: a verify window's draft pass needs the accepted row only.
     """
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
@@ -319,8 +327,9 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
     z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
-                              backend=layer_backend)
+                              backend=layer_backend, out_rows=out_rows)
     _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
-    logits = select_logits(params, hm, positions, logits, head=lambda h: draft_head(params, h, backend))
+    logits = select_logits(params, hm, take_rows(positions, out_rows), logits,
+                           head=lambda h: draft_head(params, h, backend))
     return logits, hm, new_carry

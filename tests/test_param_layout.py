@@ -72,6 +72,35 @@ def test_fused_projections_give_the_native_outputs(rng, moe):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_draft_pass_on_one_row_matches_the_whole_window(rng, moe):
+    """mtp_forward(out_rows=r): the drafts' hidden and logits at row r of each window equal the whole window's at r,
+    and every row's keys and values still enter the carry (bit for bit), in the native layout with XLA and in the
+    serving layout with the fused attention prelude (Pallas interpreter)."""
+    cfg = _config(moe)
+    native = init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1)
+    b, t, cap = 3, 4, 16  # 16 cache rows: the fused prelude's smallest cache
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.float32)
+    start = jnp.asarray(rng.integers(0, cap - t, (b,)), jnp.int32)
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)
+    rows = jnp.asarray(rng.integers(0, t, (b,)), jnp.int32)
+    carry = tuple(jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), c)
+                  for c in init_mtp_carry(cfg, b, cap, jnp.float32))  # a cache with history in it
+    be = Backend(attention_prelude="triton_interpret", attention="triton_interpret")
+    for params, backend in ((native, XLA), (serving_layout(_copy(native), backend=be, draft_head=False), be)):
+        run = functools.partial(mtp_forward, params, tokens, hidden, positions, carry, cfg=cfg, backend=backend)
+        logits, hm, want_carry = run()
+        one_logits, one_hm, got_carry = run(out_rows=rows)
+        assert one_hm.shape == (b, 1, cfg.hidden_size) and one_logits.shape == (b, 1, cfg.vocab_size)
+        pick = lambda a: np.asarray(a)[np.arange(b), np.asarray(rows)]  # noqa: E731
+        assert np.abs(pick(hm)).max() > 0.1
+        np.testing.assert_allclose(np.asarray(one_hm)[:, 0], pick(hm), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(one_logits)[:, 0], pick(logits), atol=1e-5, rtol=0)
+        for got, want in zip(jax.tree.leaves(got_carry), jax.tree.leaves(want_carry)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_int8_rows_are_within_half_a_step(rng):
     w = rng.standard_normal((37, 24)) * rng.uniform(0.01, 3.0, (37, 1))
     w[5] = 0.0  # an all-zero row must not divide by zero

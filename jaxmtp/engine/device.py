@@ -10,8 +10,8 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
 3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
    :func:`jaxmtp.layers.gated_deltanet.select_steps`, every layer in one kernel launch); KV caches just advance
    ``length`` (rows past it are stale and overwritten later);
-4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states, row ``a``
-   gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
+4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states (every row
+   enters its KV cache; o_proj, the MLP and the head run on row ``a`` alone), row ``a`` gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
 
 With ``k = 0`` the same function is plain decoding (T = 1, no stack, no MTP).
 """
@@ -187,8 +187,9 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         is_last = (jnp.arange(tokens.shape[1])[None] == last_idx[:, None]) & final[:, None]
         nxt = jnp.where(is_last, first[:, None], next_tokens)
         mtp = _take(state.mtp_carry, slots)
-        _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend)
-        hm_last = jnp.take_along_axis(hm, last_idx[:, None, None], axis=1)[:, 0]
+        _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend,
+                                 out_rows=last_idx)
+        hm_last = hm[:, 0]
         d1 = draft_ids(params, hm_last, backend)
         drafts, mtp = _draft_rest(params, cfg, k, d1, hm_last, prompt_len, final, mtp, backend)
         if state.oracle is not None:
@@ -239,8 +240,9 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     new = state.replace(carry=carry, length=new_length, last=jnp.where(act, new_last, state.last),
                         generated=state.generated + n_emit, active=act & ~finished)
     if k > 0:
-        _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend)
-        h1 = jnp.take_along_axis(hm, a[:, None, None], axis=1)[:, 0]
+        _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend,
+                                 out_rows=a)
+        h1 = hm[:, 0]
         d1 = draft_ids(params, h1, backend)
         drafts, mtp = _draft_rest(params, cfg, k, d1, h1, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)

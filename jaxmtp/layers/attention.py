@@ -31,9 +31,19 @@ class KVCache:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def take_rows(a: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """``a[b, rows[b]]`` as [B, 1, ...] for a [B, T, ...] and rows [B] int32; ``a`` itself when rows is None."""
+    if rows is None:
+        return a
+    idx = rows.astype(jnp.int32).reshape((-1, 1) + (1,) * (a.ndim - 2))
+    return jnp.take_along_axis(a, idx, axis=1)
+
+
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", prelude="xla", out_matmul="xla"):
+                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
+    ``out_rows`` [B] int32: the output only at that row of each window ([B, 1, H]; o_proj runs on it alone) while
+    every row's keys and values still enter the cache.
     ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
     projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
     serving layout only, else unused), ``out_matmul`` o_proj's when it is stored transposed
@@ -46,8 +56,8 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
         y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"], cos, sin, cache.k, cache.v,
                                         positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps,
                                         implementation=prelude, attention=implementation)
-        return o_proj(y), KVCache(k, v)
+        return o_proj(take_rows(y, out_rows)), KVCache(k, v)
     q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
                                       cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)
     o = cached_attention(q, k, v, positions, implementation=implementation)
-    return o_proj(output_gate_reference(o, gate)), KVCache(k, v)
+    return o_proj(take_rows(output_gate_reference(o, gate), out_rows)), KVCache(k, v)
