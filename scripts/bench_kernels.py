@@ -748,6 +748,8 @@ def section_moe_sweep():
                 dict(block_down=128), dict(block_down=256), dict(block_k_down=64), dict(block_k_down=256),
                 dict(block_k_down=512), dict(num_warps_down=2), dict(num_warps_down=8), dict(num_stages_down=2),
                 dict(num_stages_down=4), dict(num_stages_down=5)]
+    if ARGS.moe_variants:
+        variants = [dict()] + json.loads(ARGS.moe_variants)
     for n in (ARGS.moe_tokens or ((1, 4, 8, 32, 128, 512) if not sm else (1, 13))):
         x, w, experts = moe_inputs(n, e, kk, h)
         nbytes = len(np.unique(np.asarray(experts))) * per_expert + 2 * n * h * x.dtype.itemsize
@@ -837,6 +839,9 @@ def main():
                         "profiler trace (scripts/devtime.py), steadier for ops of a few microseconds")
     p.add_argument("--moe-tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                    help="token counts of the moe_sweep section (default 1,4,8,32,128,512)")
+    p.add_argument("--moe-variants", default=None,
+                   help='moe_sweep: a JSON list of keyword sets to time instead of the single changes, e.g. '
+                        '\'[{"block_k": 64, "num_stages": 2}]\' (the plan is always timed first)')
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
     p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")
