@@ -8,7 +8,9 @@ Per model, in one run: weights and memory per slot; prefill tokens/s for the giv
 (k = 0) and verify (k >= 1) step times for the (batch, k) grid, measured through ``Engine.step`` (host work included)
 with all slots busy; compile time of each step; output tokens/s at the measured (random, ~0) acceptance and at the
 published Qwen3.5 MTP acceptance lengths; the bytes a step must read over the measured HBM bandwidth (roofline) and
-the fraction achieved. ``--hf`` adds transformers' model of the same shape doing greedy generation.
+the fraction achieved, and for k >= 1 the most physics allows (``bound``: tokens/s over plain at the published AL
+if the step cost the plain step plus its extra bytes at the measured bandwidth, :func:`speedup_bound`). ``--hf``
+adds transformers' model of the same shape doing greedy generation.
 JSON is written after every measurement (partial results survive a time limit); a table is printed last.
 """
 
@@ -144,7 +146,9 @@ def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head
         # int8 MTP weights: the stored share of bf16 bytes, applied to every MTP leaf (an MoE MTP layer's routed
         # experts stay bf16, so there it undercounts them)
         stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0
-        weights += k * head + stored * (touched(True, batch * (k + 1)) + (k - 1) * touched(True, batch))
+        # (the window's pass runs the MLP on the accepted row only: mtp_forward(out_rows=), so every pass touches
+        # the routed experts of `batch` tokens)
+        weights += k * head + stored * k * touched(True, batch)
     weights = int(weights)
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
@@ -263,6 +267,17 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         "bytes_needed": need, "roofline_ms": need["total"] / bw * 1e3,
         "roofline_fraction": need["total"] / bw / step_s, "memory_per_slot_bytes": plan.per_slot,
     }
+
+
+def speedup_bound(step: dict, plain: dict, bw: float) -> dict:
+    """What physics allows a k-step against the plain step of the same batch on this machine: ``step_ratio_at_roofline``
+    (its bytes over the plain step's: the cost ratio if both ran at the roofline) and ``tokens_ratio_bound`` (output
+    tokens/s over plain at the published AL if the step cost the measured plain step plus its extra bytes at the
+    measured bandwidth, and nothing else)."""
+    extra_s = max(step["bytes_needed"]["total"] - plain["bytes_needed"]["total"], 0) / bw
+    plain_s = plain["step_ms"] / 1e3
+    return {"step_ratio_at_roofline": step["bytes_needed"]["total"] / plain["bytes_needed"]["total"],
+            "tokens_ratio_bound": PUBLISHED_AL[step["k"]] * plain_s / (plain_s + extra_s)}
 
 
 def split_spec(spec: str) -> tuple[str, dict]:
@@ -544,6 +559,9 @@ def main(argv=None) -> int:
                 r = bench_steps(model, batch, k, args.context, args.syncs, args.steps_per_sync, bw)
             except Exception as e:  # noqa: BLE001
                 r = {"batch": batch, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            plain = next((p for p in entry["steps"] if p["batch"] == batch and p["k"] == 0 and "error" not in p), None)
+            if k > 0 and plain is not None and "error" not in r:
+                r.update(speedup_bound(r, plain, bw))
             entry["steps"].append(r)
             print("step", json.dumps({x: r[x] for x in r if x != "bytes_needed"}), flush=True)
             save()
@@ -619,7 +637,7 @@ def hf_only(args) -> int:
 def print_table(result: dict) -> None:
     print(f"\n{result['device']} | jax {result['jax']} | {result['date']} | HBM {result['hbm_bytes_per_s'] / 1e9:.0f} GB/s")
     print(f"{'model':18s} {'B':>3s} {'k':>2s} {'step ms':>8s} {'x k=0':>6s} {'roofline':>8s} {'tok/s@AL':>9s} "
-          f"{'x plain':>7s} {'compile s':>9s}")
+          f"{'x plain':>7s} {'bound':>6s} {'compile s':>9s}")
     for name, e in result["models"].items():
         base = {s["batch"]: s for s in e["steps"] if s.get("k") == 0 and "error" not in s}
         for s in e["steps"]:
@@ -631,7 +649,7 @@ def print_table(result: dict) -> None:
             speed = s["tokens_per_s_at_published_al"] / b0["tokens_per_s_at_published_al"] if b0 else math.nan
             print(f"{name:18s} {s['batch']:3d} {s['k']:2d} {s['step_ms']:8.2f} {ratio:6.2f} "
                   f"{s['roofline_fraction']:8.0%} {s['tokens_per_s_at_published_al']:9.0f} {speed:7.2f} "
-                  f"{s['compile_s']:9.1f}")
+                  f"{s.get('tokens_ratio_bound', math.nan):6.2f} {s['compile_s']:9.1f}")
         for r in e.get("ab", []):
             if "error" in r:
                 print(f"{name:18s} {r['batch']:3d} {r['k']:2d} A/B error: {r['error'][:60]}")
