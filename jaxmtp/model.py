@@ -174,25 +174,27 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     """Pre-norm residual block ``r = x + mixer(norm(x)); out = r + mlp(norm(r))``, returning ``(r, mlp, new layer
     carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
     when the caller already has it (the previous block's fused add and norm). ``out_rows`` [B] int32: the block's
-    output only at that row of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row."""
+    output only at that row of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row.
+    ``mlp`` may be a :class:`jaxmtp.pallas._common.SplitSum` (down_proj's split-K partials): the caller's
+    :func:`add_rms_norm` adds it."""
     if h is None:
         h = norm_kernel(x, lp["input_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul,
                                    prelude=backend.attention_prelude, out_matmul=backend.out_matmul,
-                                   out_rows=out_rows)
+                                   out_rows=out_rows, partials=True)
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
                                   step_states=step_states, implementation=impl, matmul=backend.matmul,
-                                  mixer=backend.gdn_mixer, out_matmul=backend.out_matmul)
+                                  mixer=backend.gdn_mixer, out_matmul=backend.out_matmul, partials=out_rows is None)
         y = take_rows(y, out_rows)
     x, h = add_rms_norm(take_rows(x, out_rows), y, lp["post_attention_layernorm"], cfg.rms_norm_eps,
                         implementation=backend.norm)
     mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul,
                    out_matmul=backend.out_matmul) if moe
-           else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul))
+           else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul, partials=True))
     return x, mlp, carry
 
 

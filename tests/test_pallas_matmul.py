@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jaxmtp.pallas.matmul as matmul_mod
+from jaxmtp.pallas._common import SplitSum, dense
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import (gemv_matmul_triton, linear, matmul_reference, output_linear,
@@ -144,6 +145,27 @@ def test_output_linear_dispatch(rng, monkeypatch, swiglu):
             expect = [] if impl == "xla" or rows > matmul_mod.OUTPUT_SKINNY_MAX_ROWS else (
                 ["gemv_matmul_triton"] if rows <= matmul_mod.OUTPUT_GEMV_MAX_ROWS else ["skinny_matmul_triton"])
             assert calls == expect
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_output_linear_returns_split_sums_when_asked(rng, swiglu):
+    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows: the tensor-core kernel split along K returns its float32
+    partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); one row, the "xla" name, or a
+    caller that takes no partials get the array."""
+    k, n = 512, 64
+    w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    for rows in (1, 2, matmul_mod.OUTPUT_SPLIT_MAX_ROWS):
+        x = jnp.asarray(rng.standard_normal((1, rows, 2 * k if swiglu else k)), jnp.bfloat16)
+        want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
+        y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation="triton_interpret", partials=True)
+        assert isinstance(y, SplitSum) == (rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS)
+        if isinstance(y, SplitSum):
+            assert y.parts.shape[0] > 1 and y.parts.shape[1:] == (1, rows, n) and y.parts.dtype == jnp.float32
+            assert y.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(y.parts, np.float64).sum(0), want, rtol=0, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(dense(y), np.float64), want, rtol=2 ** -7, atol=2e-2)
+        for kw in (dict(implementation="xla", partials=True), dict(implementation="triton_interpret")):
+            assert not isinstance(matmul_mod.output_linear(x, w_t, swiglu=swiglu, **kw), SplitSum)
 
 
 @pytest.mark.parametrize("unpack", ["magic", "convert"])

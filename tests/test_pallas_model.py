@@ -14,6 +14,7 @@ from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
 import jaxmtp.pallas.matmul as matmul_mod
+from jaxmtp.pallas._common import SplitSum
 from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
 
 
@@ -25,17 +26,31 @@ def small_config():
     )
 
 
-@pytest.mark.parametrize("layout", ["native", "fused", "transposed"])
+@pytest.mark.parametrize("layout", ["native", "fused", "transposed", "split"])
 def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
     """With fused projections (the serving layout) the one-kernel GDN mixer (its conv ring updated in place) and the
     attention prelude / epilogue kernels run too; with the output projections transposed also the one-row output
     kernel (SwiGLU folded into down_proj), here for the two-row decode step, against the XLA path on [K, N]
-    weights."""
+    weights. ``split``: the verify window's output products return split-K partial sums (SwiGLU folded in) that the
+    add + norm kernel adds (every block's output product, checked by counting them)."""
     kind = "triton_interpret"  # the GPU path; the TPU kernels are checked op by op (never picked automatically)
     cfg = small_config()
     if layout == "transposed":  # the output kernel needs K (attention 128, GDN Hv * dv, MLP I) a multiple of 128
         cfg = dataclasses.replace(cfg, intermediate_size=128, linear_value_head_dim=32)
         monkeypatch.setattr(matmul_mod, "OUTPUT_GEMV_MAX_ROWS", 2)
+    split_products = []
+    if layout == "split":  # K = 256 for every output product: two or more splits along K
+        cfg = dataclasses.replace(cfg, intermediate_size=256, linear_value_head_dim=64, head_dim=64)
+        monkeypatch.setattr(matmul_mod, "OUTPUT_SPLIT_MAX_ROWS", 8)  # the verify window: 2 rows x 4 tokens
+        real = matmul_mod.skinny_matmul_triton
+
+        def spy(*a, **k):
+            out = real(*a, **k)
+            split_products.append(isinstance(out, SplitSum))
+            return out
+
+        monkeypatch.setattr(matmul_mod, "skinny_matmul_triton", spy)
+        layout = "transposed"
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.1)
     kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind)
     kernel_params = params
@@ -78,6 +93,8 @@ def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4, rtol=0)
     for g, w in zip(got_states, want_states):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=0)
+    if split_products:  # out_proj and down_proj (GDN layer), o_proj and down_proj (attention layer), in the
+        assert split_products == [True] * 8  # two-row decode step and the eight-row verify window
 
 
 def test_backend_registry():

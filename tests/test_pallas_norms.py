@@ -17,6 +17,7 @@ import pytest
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas._common import SplitSum
 from jaxmtp.pallas.norms import add_rms_norm, supports
 from jaxmtp.pallas.norms import rms_norm as norm_only
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
@@ -107,3 +108,23 @@ def test_model_with_kernel_matches_xla(rng):
 
     for got, want in zip(run(Backend(norm="triton_interpret")), run(XLA)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("splits, rows", [(2, 1), (3, 4)])
+def test_add_norm_adds_split_sums(rng, splits, rows):
+    """add_rms_norm with a SplitSum (a product's float32 split-K partials): the kernel (Pallas interpreter) adds the
+    parts, rounds the sum to the residual's dtype and adds and normalises it, as a float64 evaluation does."""
+    h = 256
+    x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+    parts = jnp.asarray(rng.standard_normal((splits, rows, h)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.standard_normal(h), jnp.float32)
+    s, out = add_rms_norm(x, SplitSum(parts, jnp.bfloat16), w, 1e-6, implementation="triton_interpret")
+    x64, y64 = np.asarray(x, np.float64), np.asarray(parts, np.float64).sum(0)
+    err = np.abs(np.asarray(s, np.float64) - (x64 + y64))
+    assert np.all(err <= 2 ** -7 * (np.abs(x64) + np.abs(y64)))  # two bfloat16 roundings: the sum, the residual
+    s_r = np.asarray(s, np.float64)  # the norm runs on the rounded residual
+    want = s_r / np.sqrt((s_r * s_r).mean(-1, keepdims=True) + 1e-6) * (1 + np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -7, atol=1e-6)
+    ref_s, _ = add_rms_norm(x, SplitSum(parts, jnp.bfloat16), w, 1e-6, implementation="xla")
+    np.testing.assert_allclose(np.asarray(ref_s, np.float64), np.asarray(s, np.float64), rtol=0,
+                               atol=2 ** -7 * float(np.abs(s_r).max()))

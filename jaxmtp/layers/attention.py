@@ -40,16 +40,17 @@ def take_rows(a: jax.Array, rows: jax.Array | None) -> jax.Array:
 
 
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None):
+                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None, partials=False):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
     ``out_rows`` [B] int32: the output only at that row of each window ([B, 1, H]; o_proj runs on it alone) while
-    every row's keys and values still enter the cache.
+    every row's keys and values still enter the cache. ``partials``: the output may be a
+    :class:`jaxmtp.pallas._common.SplitSum` (o_proj's split-K partials, for the residual add + norm).
     ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
     projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
     serving layout only, else unused), ``out_matmul`` o_proj's when it is stored transposed
     (:func:`jaxmtp.layers.projections.output_product`)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    o_proj = lambda a: output_product(p, "o_proj", a, mm, out_matmul)  # noqa: E731
+    o_proj = lambda a: output_product(p, "o_proj", a, mm, out_matmul, partials)  # noqa: E731
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:

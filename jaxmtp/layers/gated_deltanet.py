@@ -146,6 +146,7 @@ def gated_deltanet(
     matmul: str = "xla",
     mixer: str = "xla",
     out_matmul: str = "xla",
+    partials: bool = False,
 ):
     """One GDN mixer over a window.
 
@@ -154,14 +155,15 @@ def gated_deltanet(
     ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
     ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
     recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused),
-    ``out_matmul`` out_proj's when it is stored transposed (:func:`jaxmtp.layers.projections.output_product`).
+    ``out_matmul`` out_proj's when it is stored transposed (:func:`jaxmtp.layers.projections.output_product`;
+    ``partials``: y may be a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm).
     Returns (y [B, T, H], GDNCarry | GDNSteps).
     """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    out_proj = lambda a: output_product(p, "out_proj", a, mm, out_matmul)  # noqa: E731
+    out_proj = lambda a: output_product(p, "out_proj", a, mm, out_matmul, partials)  # noqa: E731
     valid, start = positions >= 0, row_start(positions)
     if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
         return _fused_mixer(p, cfg, x, valid, start, carry, step_states, mixer, mm, out_proj)

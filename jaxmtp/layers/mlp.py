@@ -17,14 +17,16 @@ from jaxmtp.pallas.matmul import linear, output_linear
 from jaxmtp.pallas.moe import moe_experts
 
 
-def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_matmul: str = "xla") -> jax.Array:
+def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_matmul: str = "xla", partials: bool = False) -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation,
-    ``out_matmul`` down_proj's when it is stored transposed (then, with gate|up fused, the kernel forms the SwiGLU)."""
+    ``out_matmul`` down_proj's when it is stored transposed (then, with gate|up fused, the kernel forms the SwiGLU;
+    ``partials``: it may return a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     if "down_proj_t" in p and "gate_up_proj" in p:
-        return output_linear(mm(x, p["gate_up_proj"]), p["down_proj_t"], swiglu=True, implementation=out_matmul)
+        return output_linear(mm(x, p["gate_up_proj"]), p["down_proj_t"], swiglu=True, implementation=out_matmul,
+                             partials=partials)
     gate, up = project(p, x, "gate_up_proj", mm)
-    return output_product(p, "down_proj", jax.nn.silu(gate) * up, mm, out_matmul)
+    return output_product(p, "down_proj", jax.nn.silu(gate) * up, mm, out_matmul, partials)
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):

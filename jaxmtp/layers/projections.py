@@ -65,9 +65,10 @@ def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
     return outs
 
 
-def output_product(p, name: str, x: jax.Array, mm: Callable, implementation: str = "xla") -> jax.Array:
+def output_product(p, name: str, x: jax.Array, mm: Callable, implementation: str = "xla", partials: bool = False):
     """``x @ W`` for the output projection ``name`` (one of :data:`OUTPUT_PROJECTIONS`): stored transposed
-    (``p[name + "_t"]``, [N, K]) it runs :func:`output_linear` with ``implementation``, else ``mm(x, p[name])``."""
+    (``p[name + "_t"]``, [N, K]) it runs :func:`output_linear` with ``implementation`` (``partials``: a
+    :class:`jaxmtp.pallas._common.SplitSum` may come back), else ``mm(x, p[name])``."""
     if name + TRANSPOSED_SUFFIX in p:
-        return output_linear(x, p[name + TRANSPOSED_SUFFIX], implementation=implementation)
+        return output_linear(x, p[name + TRANSPOSED_SUFFIX], implementation=implementation, partials=partials)
     return mm(x, p[name])

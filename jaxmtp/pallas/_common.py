@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 # Implementation names understood by every op's dispatcher (besides "xla", the jnp reference).
@@ -12,6 +15,28 @@ TRITON_INTERPRET = "triton_interpret"          # the same kernel run by the Pall
 MOSAIC_TPU = "mosaic_tpu"                      # TPU, Pallas Mosaic lowering
 MOSAIC_TPU_INTERPRET = "mosaic_tpu_interpret"  # the same kernel in TPU interpret mode (CPU tests)
 KERNELS = (TRITON, TRITON_INTERPRET, MOSAIC_TPU, MOSAIC_TPU_INTERPRET)
+
+
+@struct.dataclass
+class SplitSum:
+    """A product's output left as float32 partial sums over splits of K, ``parts [S, ..., N]``: its value is their
+    sum rounded to ``dtype`` (:func:`dense`), what the product would return. A block's output product returns one
+    where the residual add + norm that consumes it sums the parts itself
+    (:func:`jaxmtp.pallas.norms.add_rms_norm`), so the split-K sum needs no launch of its own."""
+
+    parts: jax.Array
+    dtype: Any = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple:
+        return self.parts.shape[1:]
+
+
+def dense(y):
+    """The value of ``y``: a :class:`SplitSum`'s parts summed (float32) and rounded to its dtype; an array as it is."""
+    if isinstance(y, SplitSum):
+        return jnp.sum(y.parts, axis=0).astype(y.dtype)
+    return y
 
 
 def interpret_arg(implementation: str):

@@ -17,7 +17,7 @@ from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize
                                             swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
-from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, skinny_matmul_triton, supports
+from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, plan, skinny_matmul_triton, supports
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_triton, w4a8_matmul_triton
 
@@ -80,15 +80,21 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 # down_proj against 21; in the step the 4B k = 3 step took 9.9 ms instead of 4.7. Kept, tested, for a better tiling.
 OUTPUT_GEMV_MAX_ROWS = 1
 OUTPUT_SKINNY_MAX_ROWS = 1
+# Rows up to OUTPUT_SPLIT_MAX_ROWS whose caller takes partial sums (``partials=True``: the product feeds the residual
+# add + norm kernel, which adds them) run the tensor-core kernel with its usual split along K and the SwiGLU folded
+# in, and return the float32 partials (a SplitSum): the verify window's out_proj / o_proj / down_proj then cost one
+# launch each, where XLA ran the product, a split-K reduction and (down_proj) a SwiGLU kernel.
+OUTPUT_SPLIT_MAX_ROWS = 4
 
 
-def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
+def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", partials: bool = False):
     """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
     the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``
     (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
     dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`, up to
-    ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`. A quantised ``w_t`` (:func:`is_quantized`) runs
-    :func:`quantized_linear` after the SwiGLU."""
+    ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`, and with ``partials`` (the caller accepts a
+    :class:`SplitSum`) up to ``OUTPUT_SPLIT_MAX_ROWS`` with it split along K, unsummed. A quantised ``w_t``
+    (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU."""
     if is_quantized(w_t):
         q, scale = w_t["weight"], w_t["scale"]
         if _layer_gemv(x, q, implementation, swiglu):
@@ -102,6 +108,10 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla"):
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
     n = w_t.shape[0]
+    if (partials and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS
+            and supports(rows, kdim, n) and plan(rows, kdim, n)[3] > 1):
+        return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, partials=True,
+                                    interpret=implementation == TRITON_INTERPRET)
     if implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n):
         bn, bk, warps, stages = output_plan(kdim, n)
         return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=bk,

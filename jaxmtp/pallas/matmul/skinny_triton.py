@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import mm, next_pow2, swiglu_tile, work_dtype
+from jaxmtp.pallas._common import SplitSum, mm, next_pow2, swiglu_tile, work_dtype
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 
 NUM_SMS = 132  # H100 / H200; sets how far the K axis is split
@@ -106,13 +106,16 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swigl
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "swiglu", "mask_rows", "interpret"))
+                                             "num_warps", "num_stages", "swiglu", "mask_rows", "partials",
+                                             "interpret"))
 def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
-                         num_warps=None, num_stages=None, swiglu=False, mask_rows=False, interpret=False):
+                         num_warps=None, num_stages=None, swiglu=False, mask_rows=False, partials=False,
+                         interpret=False):
     """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
     x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
     (not with int4 weights): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
-    (no pad kernel before it; with one split no slice after, with several the split-K sum takes the live rows)."""
+    (no pad kernel before it, no slice after). ``partials`` (with ``mask_rows``): with several splits along K, a
+    :class:`jaxmtp.pallas._common.SplitSum` of the float32 partials ``[S, ..., N]`` instead of their sum."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
@@ -135,18 +138,21 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
     kernel = functools.partial(_kernel, m=m if mask_rows else mp, bk=bk, k_per_split=kdim // ns,
                                transpose_w=transpose_w, int4=int4, swiglu=kdim if swiglu else 0,
                                dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret))
+    if partials and not mask_rows:
+        raise ValueError("partials need mask_rows (unpadded rows)")
     return launch_row_kernel(kernel, x, w, rows=mp, block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or 4, num_stages=num_stages or 4,
-                             interpret=interpret, name="skinny_matmul", pad=not mask_rows)
+                             interpret=interpret, name="skinny_matmul", pad=not mask_rows, partials=partials)
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
-                      interpret, name, pad=True, column_scale=None):
+                      interpret, name, pad=True, column_scale=None, partials=False):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
-    rows (``pad=False``: not padded, the kernel masks the missing rows; with several splits the partials' rows from
-    m on are left unwritten and dropped after the sum), grid ``(N / block_n, splits)``, program j reading W's column
-    (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output (float32 partials per split, summed here). ``column_scale`` [N] (one split only) is passed to the
-    kernel as a third input, its ``block_n`` slice per program. Returns [..., N] in ``out_dtype``."""
+    rows (``pad=False``: not padded, the kernel masks the missing rows), grid ``(N / block_n, splits)``, program j
+    reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output (float32
+    partials per split, summed here, or with ``partials`` returned as a :class:`SplitSum`). ``column_scale`` [N]
+    (one split only) is passed to the kernel as a third input, its ``block_n`` slice per program. Returns [..., N] in
+    ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
@@ -161,7 +167,7 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
         out_shape = jax.ShapeDtypeStruct((rows if pad else m, n), out_dtype)
         out_spec = pl.BlockSpec((rows, block_n), lambda j, s: (0, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((splits, rows if pad else m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j))
     in_specs, args = [pl.BlockSpec((rows, kdim), lambda j, s: (0, 0)), w_spec], [x2, w]
     if column_scale is not None:
@@ -177,6 +183,8 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
         interpret=interpret,
         name=name,
     )(*args)
+    if splits > 1 and partials:
+        return SplitSum(y.reshape(splits, *lead, n), out_dtype)
     if splits > 1:
         y = jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype).reshape(*lead, n)

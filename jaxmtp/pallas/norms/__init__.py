@@ -10,17 +10,18 @@ the GPU measurements).
 
 from __future__ import annotations
 
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, dense
 from jaxmtp.layers.norms import rms_norm as rms_norm_reference
 from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, rms_norm_triton, supports
 from jaxmtp.pallas.norms.reference import add_rms_norm_reference
 
 
 def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
-    """x, y: [..., H] (one dtype); weight: [H] float32 offset. Returns ``(s, h)`` [..., H] in x.dtype."""
+    """x, y: [..., H] (one dtype; y may be a :class:`jaxmtp.pallas._common.SplitSum`, a product's split-K partial
+    sums, which the kernel adds itself); weight: [H] float32 offset. Returns ``(s, h)`` [..., H] in x.dtype."""
     if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
         return add_rms_norm_triton(x, y, weight, eps, interpret=implementation == TRITON_INTERPRET)
-    return add_rms_norm_reference(x, y, weight, eps)
+    return add_rms_norm_reference(x, dense(y), weight, eps)
 
 
 def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from jaxmtp.pallas._common import SplitSum
+
 MAX_CHUNK = 4096
 MIN_CHUNK = 16
 MAX_CHUNKS = 16
@@ -34,8 +36,10 @@ def supports(h: int) -> bool:
     return h > 0 and chunk_size(h) >= MIN_CHUNK and h // chunk_size(h) <= MAX_CHUNKS
 
 
-def _kernel(*refs, chunk, eps):
-    """refs: ``x, y, w, s, h`` (add and norm) or ``x, w, h`` (norm only)."""
+def _kernel(*refs, chunk, eps, splits=0):
+    """refs: ``x, y, w, s, h`` (add and norm) or ``x, w, h`` (norm only). ``splits`` > 0: y's ref holds that many
+    float32 partial sums of the row ``[S, H]``, added here in split order and rounded to x's dtype (a
+    :class:`jaxmtp.pallas._common.SplitSum`)."""
     if len(refs) == 3:
         x_ref, w_ref, h_ref = refs
         y_ref = s_ref = None
@@ -51,7 +55,12 @@ def _kernel(*refs, chunk, eps):
     if y_ref is None:
         ss = xs
     else:
-        ys = [y_ref[sl] for sl in sls]
+        if splits:
+            parts = [[y_ref[i, sl] for sl in sls] for i in range(splits)]
+            ys = [functools.reduce(lambda a, b: a + b, [p[j] for p in parts]).astype(x_ref.dtype)
+                  for j in range(len(sls))]
+        else:
+            ys = [y_ref[sl] for sl in sls]
         ss = [(x.astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype) for x, y in zip(xs, ys)]
     sq = jnp.zeros((chunk,), jnp.float32)
     for s in ss:
@@ -65,15 +74,19 @@ def _kernel(*refs, chunk, eps):
 
 
 def _launch(rows_in, weight, eps, num_warps, interpret, name):
-    """One program per row of the ``[R, H]`` arrays ``rows_in`` (x, or x and y) and ``weight [H]``; returns the
-    kernel's ``[R, H]`` outputs (h, or s and h) in x's dtype."""
+    """One program per row of the ``[R, H]`` arrays ``rows_in`` (x, or x and y; y may be ``[S, R, H]`` float32
+    partial sums) and ``weight [H]``; returns the kernel's ``[R, H]`` outputs (h, or s and h) in x's dtype."""
     r, hdim = rows_in[0].shape
     row = pl.BlockSpec((None, hdim), lambda i: (i, 0))
+    splits = rows_in[1].shape[0] if len(rows_in) == 2 and rows_in[1].ndim == 3 else 0
+    in_specs = [row] * len(rows_in)
+    if splits:
+        in_specs[1] = pl.BlockSpec((splits, None, hdim), lambda i: (0, i, 0))
     return pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps)),
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps), splits=splits),
         out_shape=[jax.ShapeDtypeStruct((r, hdim), rows_in[0].dtype)] * len(rows_in),
         grid=(r,),
-        in_specs=[row] * len(rows_in) + [pl.BlockSpec((hdim,), lambda i: (0,))],
+        in_specs=in_specs + [pl.BlockSpec((hdim,), lambda i: (0,))],
         out_specs=[row] * len(rows_in),
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
         interpret=interpret,
@@ -83,13 +96,17 @@ def _launch(rows_in, weight, eps, num_warps, interpret, name):
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
-    """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts."""
+    """Same contract as :func:`add_rms_norm_reference` for row lengths :func:`supports` accepts; ``y`` may be a
+    :class:`SplitSum` of x's shape and dtype (its float32 parts are added in the kernel)."""
     hdim = x.shape[-1]
     if not supports(hdim):
         raise ValueError(f"unsupported row length H={hdim}: needs H = n * C, C a power of two >= 16, n <= 16")
-    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,):
+    split = isinstance(y, SplitSum)
+    if (y.shape != x.shape or y.dtype != x.dtype or weight.shape != (hdim,)
+            or (split and y.parts.dtype != jnp.float32)):
         raise ValueError(f"shapes x {x.shape} {x.dtype}, y {y.shape} {y.dtype}, weight {weight.shape} do not match")
-    s, h = _launch([x.reshape(-1, hdim), y.reshape(-1, hdim)], weight, eps, num_warps, interpret, "add_rms_norm")
+    y2 = y.parts.reshape(y.parts.shape[0], -1, hdim) if split else y.reshape(-1, hdim)
+    s, h = _launch([x.reshape(-1, hdim), y2], weight, eps, num_warps, interpret, "add_rms_norm")
     return s.reshape(x.shape), h.reshape(x.shape)
 
 
