@@ -17,7 +17,8 @@ from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize
                                             swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
-from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, plan, skinny_matmul_triton, supports
+from jaxmtp.pallas.matmul.skinny_triton import (MAX_ROWS, output_plan, partials_plan, skinny_matmul_triton,
+                                                supports)
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_triton, w4a8_matmul_triton
 
@@ -85,6 +86,10 @@ OUTPUT_SKINNY_MAX_ROWS = 1
 # in, and return the float32 partials (a SplitSum): the verify window's out_proj / o_proj / down_proj then cost one
 # launch each, where XLA ran the product, a split-K reduction and (down_proj) a SwiGLU kernel.
 OUTPUT_SPLIT_MAX_ROWS = 4
+# At most this many splits there (:func:`.skinny_triton.partials_plan`): the add + norm kernel loads every split's
+# row, one program per row. H100 (docs/performance.md run 16): with the usual plan's 16-28 splits that kernel took
+# 3-4.4 us instead of 1.5 and the 0.8B / 4B k = 3 steps were 4% / 13% slower than with XLA's products.
+OUTPUT_SPLIT_MAX_SPLITS = 4
 
 
 def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", partials: bool = False):
@@ -108,10 +113,13 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", 
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
     n = w_t.shape[0]
-    if (partials and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS
-            and supports(rows, kdim, n) and plan(rows, kdim, n)[3] > 1):
-        return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, partials=True,
-                                    interpret=implementation == TRITON_INTERPRET)
+    if partials and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS and supports(
+            rows, kdim, n):
+        bn, bk, splits = partials_plan(rows, kdim, n, OUTPUT_SPLIT_MAX_SPLITS)
+        if splits > 1:
+            return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, partials=True,
+                                        block_n=bn, block_k=bk, splits=splits,
+                                        interpret=implementation == TRITON_INTERPRET)
     if implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n):
         bn, bk, warps, stages = output_plan(kdim, n)
         return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, block_n=bn, block_k=bk,

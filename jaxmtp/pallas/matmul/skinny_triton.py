@@ -49,6 +49,18 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
     return mp, bn, bk, splits
 
 
+def partials_plan(m: int, k: int, n: int, max_splits: int, num_sms: int = NUM_SMS):
+    """Static tiling ``(BN, BK, splits)`` of a product whose float32 partials are added by their consumer (the add +
+    norm kernel, which loads every split's row): at most ``max_splits`` splits along K, then column slabs as wide as
+    still give a wave of programs (``splits * N / BN >= num_sms``; 16 at the narrowest)."""
+    _, _, bk, _ = plan(m, k, n, num_sms)
+    steps = k // bk
+    splits = max(s for s in range(1, max_splits + 1) if steps % s == 0)
+    widths = [b for b in (128, 64, 32, 16) if n % b == 0]
+    bn = next((b for b in widths if splits * (n // b) >= num_sms), widths[-1])
+    return bn, bk, splits
+
+
 def output_plan(k: int, n: int):
     """``(BN, BK, num_warps, num_stages)`` for a block's output product with few rows, W ``[N, K]`` bfloat16, one split
     along K, rows masked (:func:`jaxmtp.pallas.matmul.output_linear`)."""
