@@ -33,9 +33,10 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import linear, quantized_argmax, quantized_linear
+from jaxmtp.pallas.matmul import (argmax_from_partials, linear, quantized_argmax, quantized_argmax_partials,
+                                  quantized_linear)
 from jaxmtp.param_layout import has_quantized_mtp
-from jaxmtp.pallas.norms import add_rms_norm, rms_norm as norm_kernel
+from jaxmtp.pallas.norms import add_rms_norm, draft_input as norm_draft_input, rms_norm as norm_kernel
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -239,6 +240,41 @@ def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.
     return _vocab_ids(params, quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head))
 
 
+def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA) -> tuple:
+    """The drafts' greedy choice for hidden [B, H] as ``(ids, None)`` (:func:`draft_ids`), or, where the int4 head's
+    argmax kernel runs over the whole vocabulary, ``(None, (vals, idx))``: its per-program partials, which the next
+    draft pass's input kernel finishes (:func:`draft_pass_input`) or :func:`chosen_ids` does."""
+    dh = params.get("draft_head")
+    if dh is not None and "scale" in dh and "ids" not in dh:
+        partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+        if partials is not None:
+            return None, tuple(a[: hidden.shape[0]] for a in partials)  # [B, G] (the kernel pads rows to Mp)
+    return draft_ids(params, hidden, backend), None
+
+
+def chosen_ids(choice: tuple) -> jax.Array:
+    """The int32 ids [B] of a :func:`draft_choice`."""
+    ids, partials = choice
+    if ids is not None:
+        return ids
+    return argmax_from_partials(*partials).astype(jnp.int32)
+
+
+def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: jax.Array, backend: Backend = XLA):
+    """A recursive draft pass's input from the previous pass's :func:`draft_choice` and hidden [B, H]: ``(d [B],
+    concat[rms_norm(E[d]), rms_norm(hidden)] [B, 1, 2H])``, what :func:`mtp_forward` forms from (d, hidden). From
+    argmax partials on a kernel backend one launch does it all (:func:`jaxmtp.pallas.norms.draft_input`)."""
+    mp, eps = params["mtp"], cfg.rms_norm_eps
+    ids, partials = choice
+    if partials is not None:
+        d, x = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
+                                mp["pre_fc_norm_hidden"], eps, implementation=backend.norm)
+        return d, x[:, None]
+    e = rms_norm(params["embed_tokens"][ids], mp["pre_fc_norm_embedding"], eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
+    return ids, jnp.concatenate([e, h], axis=-1)[:, None]
+
+
 def describe_draft_head(params: Params, vocab_size: int) -> str:
     """One line on what the drafts score with, e.g. ``"int8 copy of the LM head, 32768 hot ids of 248320"``."""
     dh = params.get("draft_head")
@@ -307,7 +343,7 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
 
 
 def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry, *, cfg: Qwen35Config,
-                step: int = 0, logits: str = "all", backend: Backend = XLA, out_rows=None):
+                step: int = 0, logits: str = "all", backend: Backend = XLA, out_rows=None, fc_input=None):
     """One MTP draft pass.
 
     Row p combines the embedding of ``next_tokens[p]`` (the token at position p+1) with ``hidden[p]`` (the target's
@@ -317,15 +353,18 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
 
     ``out_rows`` [B] int32: only that row of each window is drafted from (logits and hidden [B, 1, ...]). Every row
     still writes its keys and values into the carry, but o_proj, the MLP (an MoE's experts) and the final norm run
-    on one row: a verify window's draft pass needs the accepted row only.
+    on one row: a verify window's draft pass needs the accepted row only. ``fc_input`` [B, T, 2H]: the normed and
+    concatenated input already formed (:func:`draft_pass_input`); next_tokens and hidden are then unused.
     """
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
     # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
     layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if has_quantized_mtp(params) else backend
-    e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
-    h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    z = linear(jnp.concatenate([e, h], axis=-1), mp["fc"], implementation=layer_backend.matmul)
+    if fc_input is None:
+        e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
+        h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
+        fc_input = jnp.concatenate([e, h], axis=-1)
+    z = linear(fc_input, mp["fc"], implementation=layer_backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
     z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],

@@ -149,16 +149,16 @@ def test_output_linear_dispatch(rng, monkeypatch, swiglu):
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_output_linear_returns_split_sums_when_asked(rng, swiglu):
-    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows: the tensor-core kernel split along K returns its float32
-    partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); one row, the "xla" name, or a
-    caller that takes no partials get the array."""
+    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows and no SwiGLU: the tensor-core kernel split along K returns
+    its float32 partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); one row, a SwiGLU,
+    the "xla" name, or a caller that takes no partials get the array."""
     k, n = 512, 64
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
     for rows in (1, 2, matmul_mod.OUTPUT_SPLIT_MAX_ROWS):
         x = jnp.asarray(rng.standard_normal((1, rows, 2 * k if swiglu else k)), jnp.bfloat16)
         want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
         y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation="triton_interpret", partials=True)
-        assert isinstance(y, SplitSum) == (rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS)
+        assert isinstance(y, SplitSum) == (rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS and not swiglu)
         if isinstance(y, SplitSum):
             assert y.parts.shape[0] > 1 and y.parts.shape[1:] == (1, rows, n) and y.parts.dtype == jnp.float32
             assert y.dtype == jnp.bfloat16

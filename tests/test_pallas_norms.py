@@ -18,7 +18,7 @@ from jaxmtp.layers.norms import rms_norm
 from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas._common import SplitSum
-from jaxmtp.pallas.norms import add_rms_norm, supports
+from jaxmtp.pallas.norms import add_rms_norm, draft_input, supports
 from jaxmtp.pallas.norms import rms_norm as norm_only
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
@@ -128,3 +128,27 @@ def test_add_norm_adds_split_sums(rng, splits, rows):
     ref_s, _ = add_rms_norm(x, SplitSum(parts, jnp.bfloat16), w, 1e-6, implementation="xla")
     np.testing.assert_allclose(np.asarray(ref_s, np.float64), np.asarray(s, np.float64), rtol=0,
                                atol=2 ** -7 * float(np.abs(s_r).max()))
+
+
+@pytest.mark.parametrize("g, b", [(37, 1), (4100, 2)])
+def test_draft_input_kernel_matches_float64(rng, g, b):
+    """draft_input (Pallas interpreter): the id is the first of the largest partials (a tie placed in two windows,
+    the lower column wins), and the row is [rms_norm(E[id]), rms_norm(h)] as a float64 evaluation gives it."""
+    v, hdim = 300, 256
+    vals = rng.standard_normal((b, g)).astype(np.float32)
+    vals[0, 3] = vals[0, g - 2] = 9.0  # a tie across windows: column 3 wins
+    idx = rng.integers(0, v, (b, g)).astype(np.int32)
+    emb = jnp.asarray(rng.standard_normal((v, hdim)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((b, hdim)), jnp.bfloat16)
+    we, wh = (jnp.asarray(0.1 * rng.standard_normal(hdim), jnp.float32) for _ in range(2))
+    d, x = draft_input(jnp.asarray(vals), jnp.asarray(idx), emb, h, we, wh, 1e-6, implementation="triton_interpret")
+    want_d = idx[np.arange(b), np.argmax(vals, axis=1)]
+    np.testing.assert_array_equal(np.asarray(d), want_d)
+    assert int(d[0]) == idx[0, 3]
+
+    def norm64(a, w):
+        a = np.asarray(a, np.float64)
+        return a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * (1 + np.asarray(w, np.float64))
+
+    want = np.concatenate([norm64(np.asarray(emb)[want_d], we), norm64(h, wh)], axis=-1)
+    np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=2 ** -7, atol=1e-6)

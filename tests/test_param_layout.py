@@ -11,7 +11,8 @@ import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
-from jaxmtp.model import draft_head, draft_ids, forward, init_carry, init_mtp_carry, init_params, mtp_forward
+from jaxmtp.model import (chosen_ids, draft_choice, draft_head, draft_ids, draft_pass_input, forward, init_carry,
+                          init_mtp_carry, init_params, mtp_forward)
 from jaxmtp.pallas import XLA, Backend
 import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.pallas.matmul import quantized_linear
@@ -247,6 +248,31 @@ def test_int4_draft_head_stays_within_its_error_bound(rng, monkeypatch):
             np.testing.assert_array_equal(np.asarray(draft_ids(params, hb, be)), want)
     with pytest.raises(ValueError, match="4 or 8"):
         add_draft_head({"embed_tokens": native["lm_head"].T}, bits=2)
+
+
+def test_recursive_draft_input_from_argmax_partials(rng):
+    """With an int4 head on the kernel backend a draft's choice stays as the argmax kernel's partials, and the next
+    pass's input kernel (Pallas interpreter) forms the same id and the same normed, concatenated row as the jnp path
+    from the finished ids; the MTP pass on it gives the hidden of the pass on (id, hidden)."""
+    cfg = _config(False).replace(hidden_size=128, vocab_size=4000)  # int4: K in blocks of 128; G > one window
+    params = serving_layout(init_params(cfg, jax.random.key(7), jnp.float32, scale=0.1), draft_head_bits=4)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim == 2 else a, params)
+    be = Backend(draft_head="triton_interpret", norm="triton_interpret")
+    h = jnp.asarray(rng.standard_normal((1, cfg.hidden_size)), jnp.bfloat16)
+    choice = draft_choice(params, h, be)
+    assert choice[0] is None and choice[1][0].shape[0] == 1  # partials, one row
+    ids = chosen_ids(choice)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(draft_ids(params, h, Backend(draft_head="xla"))))
+    d, x = draft_pass_input(params, cfg, choice, h, be)
+    d_ref, x_ref = draft_pass_input(params, cfg, (ids, None), h, be)
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(d_ref))
+    assert x.shape == (1, 1, 2 * cfg.hidden_size) and x.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(x_ref, np.float64), rtol=2 ** -7, atol=1e-6)
+    carry = init_mtp_carry(cfg, 1, 8, jnp.bfloat16)
+    pos = jnp.asarray([[3]], jnp.int32)
+    _, hm, _ = mtp_forward(params, None, None, pos, carry, cfg=cfg, fc_input=x)
+    _, hm_ref, _ = mtp_forward(params, ids[:, None], h[:, None], pos, carry, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(hm, np.float64), np.asarray(hm_ref, np.float64), atol=3e-2, rtol=0)
 
 
 def test_default_draft_head_is_int4_where_the_gpu_kernel_reads_it():

@@ -20,7 +20,8 @@ from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import (MAX_ROWS, output_plan, partials_plan, skinny_matmul_triton,
                                                 supports)
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
-from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_triton, w4a8_matmul_triton
+from jaxmtp.pallas.matmul.w4a8_triton import (argmax_from_partials, w4a8_argmax_partials_triton, w4a8_argmax_triton,
+                                              w4a8_matmul_triton)
 
 MIN_WEIGHT_ELEMENTS = 1 << 20  # smaller projections (GDN gates, MoE router) stay with XLA, which fuses them
 # Products with more rows stay with XLA (at most skinny_triton.MAX_ROWS). Measured on an H200 (0.8B shape): the
@@ -82,13 +83,14 @@ def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: s
 OUTPUT_GEMV_MAX_ROWS = 1
 OUTPUT_SKINNY_MAX_ROWS = 1
 # Rows up to OUTPUT_SPLIT_MAX_ROWS whose caller takes partial sums (``partials=True``: the product feeds the residual
-# add + norm kernel, which adds them) run the tensor-core kernel with its usual split along K and the SwiGLU folded
-# in, and return the float32 partials (a SplitSum): the verify window's out_proj / o_proj / down_proj then cost one
-# launch each, where XLA ran the product, a split-K reduction and (down_proj) a SwiGLU kernel.
+# add + norm kernel, which adds them) run the tensor-core kernel split along K and return the float32 partials (a
+# SplitSum): the verify window's out_proj / o_proj then cost one launch, where XLA ran the product and a split-K
+# reduction. Not with the SwiGLU folded in (the MLP's down_proj): H100, 0.8B, 4 rows, that product took 24 us against
+# XLA's 7.7 for its product, reduction and SwiGLU kernels (docs/performance.md run 16).
 OUTPUT_SPLIT_MAX_ROWS = 4
 # At most this many splits there (:func:`.skinny_triton.partials_plan`): the add + norm kernel loads every split's
-# row, one program per row. H100 (docs/performance.md run 16): with the usual plan's 16-28 splits that kernel took
-# 3-4.4 us instead of 1.5 and the 0.8B / 4B k = 3 steps were 4% / 13% slower than with XLA's products.
+# row, one program per row. H100 (run 16): with the usual plan's 16-28 splits that kernel took 3-4.4 us instead of
+# 1.5.
 OUTPUT_SPLIT_MAX_SPLITS = 4
 
 
@@ -113,8 +115,8 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", 
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
     n = w_t.shape[0]
-    if partials and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS and supports(
-            rows, kdim, n):
+    if (partials and not swiglu and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS
+            and supports(rows, kdim, n)):
         bn, bk, splits = partials_plan(rows, kdim, n, OUTPUT_SPLIT_MAX_SPLITS)
         if splits > 1:
             return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, partials=True,
@@ -169,6 +171,17 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
     return quantized_matmul_reference(x, q, scale).astype(out_dtype)
 
 
+def quantized_argmax_partials(x, q, scale, *, implementation: str = "xla"):
+    """What :func:`quantized_argmax` computes, left before the argmax kernel's last reduction where that kernel runs:
+    ``(vals, idx)`` ``[Mp, G]`` (:func:`w4a8_argmax_partials_triton`), else None (use :func:`quantized_argmax`)."""
+    rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
+    if (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
+            and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, n)):
+        return w4a8_argmax_partials_triton(x.reshape(rows, kdim), as_words(q), scale,
+                                           interpret=implementation == TRITON_INTERPRET)
+    return None
+
+
 def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     """``argmax(quantized_linear(x, q, scale), axis=-1)`` as int32 [...] (the drafts' greedy choice). An int4 head with
     up to ``DRAFT_ARGMAX_MAX_ROWS`` rows on ``"triton"`` never writes the logits (:func:`w4a8_argmax_triton`); the
@@ -180,6 +193,7 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference", "output_linear",
-           "quantized_argmax", "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports",
-           "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference", "w4a8_matmul_triton"]
+__all__ = ["MAX_ROWS", "argmax_from_partials", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference",
+           "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
+           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton",
+           "w4a8_matmul_reference", "w4a8_matmul_triton"]

@@ -219,6 +219,22 @@ def w4a8_matmul_triton(x, words, scale, *, block_n=None, words_per_step=None, nu
     return y[:m].reshape(*x.shape[:-1], words.shape[0])
 
 
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def w4a8_argmax_partials_triton(x, words, scale, *, interpret=False):
+    """The argmax kernel's per-program results before the last reduction: ``(vals, idx)`` float32 / int32
+    ``[Mp, G]``, each program's largest value per row and the first column holding it (rows from m on unused).
+    :func:`argmax_from_partials` finishes it; :mod:`jaxmtp.pallas.norms.draft_input_triton` finishes it inside the
+    next draft pass's input kernel instead."""
+    return _launch(x, words, scale, block_n=None, words_per_step=None, num_warps=None, num_stages=None, argmax=True,
+                   interpret=interpret)
+
+
+def argmax_from_partials(vals, idx):
+    """The column of the first of the largest values, from the argmax kernel's ``(vals, idx)`` ``[R, G]``: [R]."""
+    best = jnp.argmax(vals, axis=-1)
+    return jnp.take_along_axis(idx, best[:, None], axis=1)[:, 0]
+
+
 @functools.partial(jax.jit, static_argnames=("block_n", "words_per_step", "num_warps", "num_stages", "interpret"))
 def w4a8_argmax_triton(x, words, scale, *, block_n=None, words_per_step=None, num_warps=None, num_stages=None,
                        interpret=False):
@@ -229,9 +245,8 @@ def w4a8_argmax_triton(x, words, scale, *, block_n=None, words_per_step=None, nu
     vals, idx = _launch(x, words, scale, block_n=block_n, words_per_step=words_per_step, num_warps=num_warps,
                         num_stages=num_stages, argmax=True, interpret=interpret)
     m = math.prod(x.shape[:-1])
-    best = jnp.argmax(vals[:m], axis=-1)
-    return jnp.take_along_axis(idx[:m], best[:, None], axis=1)[:, 0].reshape(x.shape[:-1])
+    return argmax_from_partials(vals[:m], idx[:m]).reshape(x.shape[:-1])
 
 
-__all__ = ["MAX_ROWS", "dp4a", "plan", "quantize_rows_triton", "supports", "w4a8_argmax_triton",
-           "w4a8_matmul_triton"]
+__all__ = ["MAX_ROWS", "argmax_from_partials", "dp4a", "plan", "quantize_rows_triton", "supports",
+           "w4a8_argmax_partials_triton", "w4a8_argmax_triton", "w4a8_matmul_triton"]

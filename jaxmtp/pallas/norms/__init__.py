@@ -13,7 +13,8 @@ from __future__ import annotations
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, dense
 from jaxmtp.layers.norms import rms_norm as rms_norm_reference
 from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, rms_norm_triton, supports
-from jaxmtp.pallas.norms.reference import add_rms_norm_reference
+from jaxmtp.pallas.norms.draft_input_triton import draft_input_triton
+from jaxmtp.pallas.norms.reference import add_rms_norm_reference, draft_input_reference
 
 
 def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
@@ -32,5 +33,14 @@ def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):
     return rms_norm_reference(x, weight, eps)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "rms_norm", "rms_norm_reference",
+def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla"):
+    """A recursive draft pass's input from the previous head's argmax partials: ``(d [B], concat[rms_norm(embed[d]),
+    rms_norm(hidden)] [B, 2H])`` (:func:`draft_input_reference`); one kernel on ``"triton"`` / ``"triton_interpret"``
+    (:mod:`.draft_input_triton`) where the row length allows."""
+    if implementation in (TRITON, TRITON_INTERPRET) and supports(hidden.shape[-1]):
+        return draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, interpret=implementation == TRITON_INTERPRET)
+    return draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
+
+
+__all__ = ["draft_input", "draft_input_reference", "draft_input_triton", "add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "rms_norm", "rms_norm_reference",
            "rms_norm_triton", "supports"]

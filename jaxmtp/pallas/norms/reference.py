@@ -13,3 +13,18 @@ def add_rms_norm_reference(x: jax.Array, y: jax.Array, weight: jax.Array, eps: f
     (float32 inside)."""
     s = x + y
     return s, rms_norm(s, weight, eps)
+
+
+def draft_input_reference(vals: jax.Array, idx: jax.Array, embed: jax.Array, hidden: jax.Array, w_e: jax.Array,
+                          w_h: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """A recursive draft pass's input: the draft ``d`` = the argmax kernel's ``(vals, idx)`` [>= B, G] finished
+    (first of the largest), and ``concat[rms_norm(embed[d], w_e), rms_norm(hidden, w_h)]`` [B, 2H] in embed's dtype
+    (hidden [B, H]). Returns (d [B] int32, x)."""
+    import jax.numpy as jnp
+
+    b = hidden.shape[0]
+    best = jnp.argmax(vals[:b], axis=-1)
+    d = jnp.take_along_axis(idx[:b], best[:, None], axis=1)[:, 0].astype(jnp.int32)
+    e = rms_norm(embed[d], w_e, eps)
+    h = rms_norm(hidden.astype(e.dtype), w_h, eps)
+    return d, jnp.concatenate([e, h], axis=-1)
