@@ -8,8 +8,9 @@ Per model, in one run: weights and memory per slot; prefill tokens/s for the giv
 (k = 0) and verify (k >= 1) step times for the (batch, k) grid, measured through ``Engine.step`` (host work included)
 with all slots busy; compile time of each step; output tokens/s at the measured (random, ~0) acceptance and at the
 published Qwen3.5 MTP acceptance lengths; the bytes a step must read over the measured HBM bandwidth (roofline) and
-the fraction achieved, and for k >= 1 the most physics allows (``bound``: tokens/s over plain at the published AL
-if the step cost the plain step plus its extra bytes at the measured bandwidth, :func:`speedup_bound`). ``--hf``
+the fraction achieved, and for k >= 1 an estimate of the most the bytes allow (``bound``: tokens/s over plain at
+the published AL if the step cost the plain step plus its extra bytes at the measured bandwidth,
+:func:`speedup_bound`; the probe is a read + write stream, which the best kernels beat by a few percent). ``--hf``
 adds transformers' model of the same shape doing greedy generation.
 JSON is written after every measurement (partial results survive a time limit); a table is printed last.
 """
@@ -270,10 +271,10 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
 
 
 def speedup_bound(step: dict, plain: dict, bw: float) -> dict:
-    """What physics allows a k-step against the plain step of the same batch on this machine: ``step_ratio_at_roofline``
-    (its bytes over the plain step's: the cost ratio if both ran at the roofline) and ``tokens_ratio_bound`` (output
-    tokens/s over plain at the published AL if the step cost the measured plain step plus its extra bytes at the
-    measured bandwidth, and nothing else)."""
+    """What the bytes allow a k-step against the plain step of the same batch on this machine:
+    ``step_ratio_at_roofline`` (its bytes over the plain step's: the cost ratio if both ran at the roofline) and
+    ``tokens_ratio_bound`` (output tokens/s over plain at the published AL if the step cost the measured plain step
+    plus its extra bytes at the measured bandwidth, and nothing else)."""
     extra_s = max(step["bytes_needed"]["total"] - plain["bytes_needed"]["total"], 0) / bw
     plain_s = plain["step_ms"] / 1e3
     return {"step_ratio_at_roofline": step["bytes_needed"]["total"] / plain["bytes_needed"]["total"],

@@ -11,7 +11,8 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
    :func:`jaxmtp.layers.gated_deltanet.select_steps`, every layer in one kernel launch); KV caches just advance
    ``length`` (rows past it are stale and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states (every row
-   enters its KV cache; o_proj, the MLP and the head run on row ``a`` alone), row ``a`` gives ``d'_1``; ``k - 1`` recursive single steps (MTP's own hidden, position + 1) give the rest.
+   enters its KV cache; o_proj, the MLP and the head run on row ``a`` alone), row ``a`` gives ``d'_1``; ``k - 1``
+   recursive single steps (MTP's own hidden, position + 1) give the rest.
 
 With ``k = 0`` the same function is plain decoding (T = 1, no stack, no MTP).
 """

@@ -42,5 +42,5 @@ def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementatio
     return draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
 
 
-__all__ = ["draft_input", "draft_input_reference", "draft_input_triton", "add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "rms_norm", "rms_norm_reference",
-           "rms_norm_triton", "supports"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input", "draft_input_reference",
+           "draft_input_triton", "rms_norm", "rms_norm_reference", "rms_norm_triton", "supports"]
