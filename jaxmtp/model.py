@@ -270,9 +270,15 @@ def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: j
         d, x = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
                                 mp["pre_fc_norm_hidden"], eps, implementation=backend.norm)
         return d, x[:, None]
-    e = rms_norm(params["embed_tokens"][ids], mp["pre_fc_norm_embedding"], eps)
+    return ids, mtp_fc_input(params, cfg, ids, hidden)[:, None]
+
+
+def mtp_fc_input(params: Params, cfg: Qwen35Config, next_tokens, hidden) -> jax.Array:
+    """The MTP's fc input ``concat[rms_norm(E[next_tokens]), rms_norm(hidden)]`` [..., 2H] in the embedding's dtype."""
+    mp, eps = params["mtp"], cfg.rms_norm_eps
+    e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    return ids, jnp.concatenate([e, h], axis=-1)[:, None]
+    return jnp.concatenate([e, h], axis=-1)
 
 
 def describe_draft_head(params: Params, vocab_size: int) -> str:
@@ -361,9 +367,7 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
     layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if has_quantized_mtp(params) else backend
     if fc_input is None:
-        e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
-        h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-        fc_input = jnp.concatenate([e, h], axis=-1)
+        fc_input = mtp_fc_input(params, cfg, next_tokens, hidden)
     z = linear(fc_input, mp["fc"], implementation=layer_backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers

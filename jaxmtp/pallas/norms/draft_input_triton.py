@@ -27,9 +27,14 @@ NUM_WARPS = 8
 WINDOW = 8192  # partials read per step of the argmax (H100: 2048-wide windows, 8 at the 0.8B head, took 8 us)
 
 
+def window(g: int) -> int:
+    """The argmax's window: ``WINDOW``, or the largest power of two <= g when that is smaller."""
+    return min(WINDOW, 1 << (g.bit_length() - 1))
+
+
 def windows(g: int) -> list[int]:
-    """Starts of the power-of-two windows (of ``min(WINDOW, largest power of two <= g)``) that cover ``[0, g)``."""
-    w = min(WINDOW, 1 << (g.bit_length() - 1))
+    """Starts of the :func:`window`-wide windows that cover ``[0, g)`` (the last one ending at g)."""
+    w = window(g)
     starts = list(range(0, g - w + 1, w))
     if starts[-1] + w < g:
         starts.append(g - w)
@@ -46,9 +51,8 @@ def _norm_row(load, w_ref, hdim, chunk, eps):
 
 def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, ids_ref, out_ref, *, g, hdim, eps):
     b = pl.program_id(0)
-    best, pos = None, None
+    best, pos, w = None, None, window(g)
     for start in windows(g):
-        w = min(WINDOW, 1 << (g.bit_length() - 1))
         v = vals_ref[b, pl.ds(start, w)]
         col = start + lax.broadcasted_iota(jnp.int32, (w,), 0)
         mx = jnp.max(v)
