@@ -248,7 +248,7 @@ def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA) -> t
     if dh is not None and "scale" in dh and "ids" not in dh:
         partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
         if partials is not None:
-            return None, tuple(a[: hidden.shape[0]] for a in partials)  # [B, G] (the kernel pads rows to Mp)
+            return None, partials
     return draft_ids(params, hidden, backend), None
 
 

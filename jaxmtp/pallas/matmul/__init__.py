@@ -172,24 +172,25 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
 
 
 def quantized_argmax_partials(x, q, scale, *, implementation: str = "xla"):
-    """What :func:`quantized_argmax` computes, left before the argmax kernel's last reduction where that kernel runs:
-    ``(vals, idx)`` ``[Mp, G]`` (:func:`w4a8_argmax_partials_triton`), else None (use :func:`quantized_argmax`)."""
+    """What :func:`quantized_argmax` computes, left before the argmax kernel's last reduction where that kernel runs
+    (an int4 head with up to ``DRAFT_ARGMAX_MAX_ROWS`` rows on ``"triton"``): ``(vals, idx)`` ``[rows, G]``
+    (:func:`w4a8_argmax_partials_triton`), else None."""
     rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
     if (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
             and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, n)):
-        return w4a8_argmax_partials_triton(x.reshape(rows, kdim), as_words(q), scale,
-                                           interpret=implementation == TRITON_INTERPRET)
+        partials = w4a8_argmax_partials_triton(x.reshape(rows, kdim), as_words(q), scale,
+                                               interpret=implementation == TRITON_INTERPRET)
+        return tuple(a[:rows] for a in partials)  # the kernel pads rows to a power of two
     return None
 
 
 def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
-    """``argmax(quantized_linear(x, q, scale), axis=-1)`` as int32 [...] (the drafts' greedy choice). An int4 head with
-    up to ``DRAFT_ARGMAX_MAX_ROWS`` rows on ``"triton"`` never writes the logits (:func:`w4a8_argmax_triton`); the
-    index is the same (the first of the largest values, computed as the product kernel computes them)."""
-    rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
-    if (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
-            and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, n)):
-        return w4a8_argmax_triton(x, as_words(q), scale, interpret=implementation == TRITON_INTERPRET)
+    """``argmax(quantized_linear(x, q, scale), axis=-1)`` as int32 [...] (the drafts' greedy choice). Where
+    :func:`quantized_argmax_partials` runs its kernel the logits are never written; the index is the same (the first
+    of the largest values, computed as the product kernel computes them)."""
+    partials = quantized_argmax_partials(x, q, scale, implementation=implementation)
+    if partials is not None:
+        return argmax_from_partials(*partials).reshape(x.shape[:-1])
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 

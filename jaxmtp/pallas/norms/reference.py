@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxmtp.layers.norms import rms_norm
+from jaxmtp.pallas.matmul.w4a8_triton import argmax_from_partials
 
 
 def add_rms_norm_reference(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -20,11 +22,8 @@ def draft_input_reference(vals: jax.Array, idx: jax.Array, embed: jax.Array, hid
     """A recursive draft pass's input: the draft ``d`` = the argmax kernel's ``(vals, idx)`` [>= B, G] finished
     (first of the largest), and ``concat[rms_norm(embed[d], w_e), rms_norm(hidden, w_h)]`` [B, 2H] in embed's dtype
     (hidden [B, H]). Returns (d [B] int32, x)."""
-    import jax.numpy as jnp
-
     b = hidden.shape[0]
-    best = jnp.argmax(vals[:b], axis=-1)
-    d = jnp.take_along_axis(idx[:b], best[:, None], axis=1)[:, 0].astype(jnp.int32)
+    d = argmax_from_partials(vals[:b], idx[:b]).astype(jnp.int32)
     e = rms_norm(embed[d], w_e, eps)
     h = rms_norm(hidden.astype(e.dtype), w_h, eps)
     return d, jnp.concatenate([e, h], axis=-1)
