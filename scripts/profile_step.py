@@ -74,13 +74,47 @@ def read_trace(trace_dir: str) -> dict:
     return groups
 
 
+def hlo_sources(text: str, depth: int = 4) -> dict[str, str]:
+    """Instruction name -> its innermost ``depth`` source frames (``file:line function < caller ...``), read from
+    the optimised HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables and each instruction's
+    ``stack_frame_id``. A frame's printed ``parent_frame_id`` is the parent's number + 1 (0: none)."""
+    tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s in tables:
+            section = s
+            continue
+        m = re.match(r"^(\d+) (.*)$", s) if section else None
+        if not m:
+            section = None
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        if section in ("FileNames", "FunctionNames"):
+            tables[section][i] = rest.strip('"')
+        else:
+            tables[section][i] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
+    files, funcs, locs, frames = (tables[k] for k in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"))
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
+        fid, chain, seen = int(m.group(2)), [], set()
+        while fid in frames and fid not in seen and len(chain) < depth:
+            seen.add(fid)
+            loc = locs[frames[fid]["file_location_id"]]
+            chain.append(f"{os.path.basename(files[loc['file_name_id']])}:{loc['line']} "
+                         f"{funcs[loc['function_name_id']].split('.')[-1]}")
+            fid = frames[fid]["parent_frame_id"] - 1
+        out.setdefault(m.group(1), " < ".join(chain))
+    return out
+
+
 def is_device_stream(process: str, thread: str) -> bool:
     """Threads that hold device kernels (one per CUDA stream), not the derived "XLA Ops"/"XLA Modules" lines."""
     p, t = process.lower(), thread.lower()
     return ("gpu" in p or "device" in p) and "stream" in t
 
 
-def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
+def summarise(groups: dict, steps: int, wall_s: float, top: int, sources: dict | None = None) -> dict:
     threads, kernels = [], []
     for (proc, thr), evs in groups.items():
         threads.append({"process": proc, "thread": thr, "events": len(evs),
@@ -106,8 +140,9 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int) -> dict:
     span_us = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
     ordered = sorted(kernels, key=lambda e: e["ts"])
     mid, per_step = len(ordered) // 2, len(ordered) // max(steps, 1)
-    sequence = [{"op": e.get("args", {}).get("hlo_op") or e["name"], "us": e["dur"],
-                 "gap_us": e["ts"] - (p["ts"] + p["dur"])}
+    sources = sources or {}
+    sequence = [{"op": (op := e.get("args", {}).get("hlo_op") or e["name"]), "us": e["dur"],
+                 "gap_us": e["ts"] - (p["ts"] + p["dur"]), "src": sources.get(op, "")}
                 for p, e in zip(ordered[mid - 1 : mid + per_step], ordered[mid : mid + per_step])]
     # Host work (dispatch, command-buffer updates, transfers) and the device's longest idle stretches: where the
     # wall time that no kernel covers goes.
@@ -142,10 +177,12 @@ def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync:
     """One (batch, k) loop traced; ``sampling``: the engine's loop with the sampling conditional (else greedy only)."""
     room = steps_per_sync * (syncs + 3) * (k + 1) + 16
     eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
-    if hlo_dir:  # the optimised HLO of the step loop, to trace kernels (copies, fusions) back to their sources
+    # The optimised HLO of the step loop traces each kernel (copies, fusions, Pallas calls) back to its source lines.
+    hlo = eng.device_loop(sampling=sampling).lower(model.params, eng.state).compile().as_text()
+    if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
         with open(os.path.join(hlo_dir, f"step_b{batch}_k{k}{'_sampling' if sampling else ''}.hlo.txt"), "w") as f:
-            f.write(eng.device_loop(sampling=sampling).lower(model.params, eng.state).compile().as_text())
+            f.write(hlo)
     eng.device_loop = lambda *_, f=eng.device_loop(sampling=sampling): f  # noqa: E731  (what timed_loops runs)
     timed_loops(eng, model.params, 2)  # compile and warm
     untraced = [dt for dt, _ in timed_loops(eng, model.params, syncs)]
@@ -159,7 +196,7 @@ def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync:
         jax.profiler.stop_trace()
         groups = read_trace(d)
     steps = syncs * steps_per_sync
-    res = summarise(groups, steps, wall, top)
+    res = summarise(groups, steps, wall, top, hlo_sources(hlo))
     res.update(batch=batch, k=k, context=context, sampling=sampling,
                untraced_step_ms=float(np.median(untraced)) / steps_per_sync * 1e3)
     del eng
