@@ -101,37 +101,6 @@ def delta_rule_token(s, q, k, v, g, beta):
     return s, jnp.sum(s * q[:, None], axis=0)
 
 
-def delta_rule_window(s, qs, ks, vs, gs, betas):
-    """The read-outs of a short window of T tokens of the gated delta rule from the state before it, without forming
-    the state after each token: the chunked form of the rule for one window, inside a kernel.
-
-    With ``G_i = g_1 + .. + g_i``, the rule's ``u_i = beta_i (v_i - e^{G_i} S0^T k_i - sum_{j<i} e^{G_i - G_j}
-    (k_j . k_i) u_j)`` and ``o_i = e^{G_i} S0^T q_i + sum_{j<=i} e^{G_i - G_j} (k_j . q_i) u_j``: the 2T products
-    with the state are independent of each other, and only T-long scalar-times-vector recurrences remain serial,
-    where :func:`delta_rule_token` chains two reductions of the state over dk per token.
-    s: the ``[dk, BV]`` float32 state slice; qs, ks (normalised, q scaled): T vectors [dk]; vs: T vectors [BV];
-    gs, betas: T scalars. Returns the T outputs [BV]. Equal to T calls of :func:`delta_rule_token` up to float32
-    rounding (``tests/test_gdn_mixer.py``)."""
-    t = len(qs)
-    cum, gsum = 0.0, []
-    for g in gs:
-        cum = cum + g
-        gsum.append(cum)
-    sk = [jnp.sum(s * k[:, None], axis=0) for k in ks]
-    sq = [jnp.sum(s * q[:, None], axis=0) for q in qs]
-    us, outs = [], []
-    for i in range(t):
-        acc = vs[i] - jnp.exp(gsum[i]) * sk[i]
-        for j in range(i):
-            acc = acc - (jnp.exp(gsum[i] - gsum[j]) * jnp.sum(ks[j] * ks[i])) * us[j]
-        us.append(betas[i] * acc)
-        o = jnp.exp(gsum[i]) * sq[i]
-        for j in range(i + 1):
-            o = o + (jnp.exp(gsum[i] - gsum[j]) * jnp.sum(ks[j] * qs[i])) * us[j]
-        outs.append(o)
-    return outs
-
-
 def pad_to_chunks(chunk: int, q, k, v, g, beta):
     """Right-pad the time axis (1) of ``q, k, v [B, T, H, d]`` and ``g, beta [B, T, H]`` with zeros to a multiple
     of ``chunk``; zero g and beta leave the state unchanged. Returns the padded five and the padding length."""

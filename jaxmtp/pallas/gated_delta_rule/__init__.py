@@ -116,9 +116,6 @@ MIXER_BLOCK_V = 32
 # 2 warps within the noise, 1 warp 8-12% slower with k = 3; 4 kept.
 MIXER_NUM_WARPS = 4
 COMMIT_NUM_WARPS = 4
-# A verify window's read-outs in the chunked form (:func:`jaxmtp.pallas._common.delta_rule_window`: the 2T products
-# with the state independent, no per-token chain of reductions) rather than token by token.
-MIXER_WINDOW_FORM = True
 
 
 def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, replay=False,
@@ -133,8 +130,7 @@ def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, r
     return gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start,
                             hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                             dv=cfg.linear_value_head_dim, replay=replay, block_v=MIXER_BLOCK_V,
-                            num_warps=MIXER_NUM_WARPS, window_form=MIXER_WINDOW_FORM,
-                            interpret=interpret_arg(implementation))
+                            num_warps=MIXER_NUM_WARPS, interpret=interpret_arg(implementation))
 
 
 __all__ = [

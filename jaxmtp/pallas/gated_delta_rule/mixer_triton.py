@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import delta_rule_token, delta_rule_window, l2norm_rows
+from jaxmtp.pallas._common import delta_rule_token, l2norm_rows
 
 
 BLOCK_V = 32  # BV: the dv slice a program owns
@@ -64,8 +64,7 @@ def _pick(rows, index):
 
 
 def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring_in_ref, alog_ref, dtb_ref,
-            valid_ref, start_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype,
-            window_form):
+            valid_ref, start_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
     iv, h = pl.program_id(0), pl.program_id(1)
     key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's channels
     q_off, k_off, v_off = offsets
@@ -98,23 +97,12 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
     a_log, dt_bias = alog_ref[0].astype(f32), dtb_ref[0].astype(f32)
     s = h0_ref[...].astype(f32)
     n_valid = jnp.int32(0)
-    gates = []
     for i in range(t):
         valid = valid_ref[i] != 0
         n_valid = n_valid + valid.astype(jnp.int32)
         g = jnp.where(valid, -jnp.exp(a_log) * _softplus(pa_ref[i, 0].astype(f32) + dt_bias), 0.0)
         beta = jnp.where(valid, jax.nn.sigmoid(pb_ref[i, 0].astype(f32)), 0.0)
-        gates.append((g, beta))
-    qn = [l2norm_rows(x) * scale for x in qs]
-    kn = [l2norm_rows(x) for x in ks]
-    if window_form:  # replay needs the outputs only: the window's chunked form (no per-token state chain)
-        window_out = delta_rule_window(s, qn, kn, vs, *zip(*gates))
-    for i in range(t):
-        g, beta = gates[i]
-        if window_form:
-            o = window_out[i]
-        else:
-            s, o = delta_rule_token(s, qn[i], kn[i], vs[i], g, beta)
+        s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
         o_ref[i, :] = o.astype(o_ref.dtype)
         if mode == "replay":
             k_out, v_out, g_out, beta_out = outs
@@ -155,17 +143,14 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
             write_ring(k_rows, k_cols)
 
 
-@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "window_form",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "interpret"))
 def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, hk, hv, dk, dv, replay=False,
-                     block_v=None, num_warps=None, window_form=True, interpret=False):
+                     block_v=None, num_warps=None, interpret=False):
     """proj [B, T, P]; ring [B, K, C] (the conv carry); conv_w [K, C]; a_log, dt_bias [Hv]; state [B, Hv, dk, dv]
     (float32); valid [B, T] bool; start [B] int32, each row's first position.
     Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], ring [B, K, C])) or, with
     ``replay``, (o, (k [B, T, Hk, dk], v [B, T, Hv, dv], g [B, T, Hv], beta [B, T, Hv])). ``block_v`` (BV) and
-    ``num_warps`` tune it. ``window_form``: replay computes the outputs in the window's chunked form
-    (:func:`jaxmtp.pallas._common.delta_rule_window`) instead of token by token (decode always runs token by token:
-    it needs the state)."""
+    ``num_warps`` tune it."""
     b, t, _ = proj.shape
     km1 = ring.shape[1] - 1
     c = 2 * hk * dk + hv * dv
@@ -207,8 +192,7 @@ def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *,
         out_specs += [pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv)),
                       pl.BlockSpec((None, km1 + 1, c), lambda iv, h, bi: (bi, 0, 0))]  # disjoint channels
     kernel = functools.partial(_kernel, t=t, km1=km1, r=r, dk=dk, dv=dv, bv=bv, offsets=(0, hk * dk, 2 * hk * dk),
-                               scale=float(dk ** -0.5), mode=mode, dtype=proj.dtype,
-                               window_form=window_form and mode == "replay" and t > 1)
+                               scale=float(dk ** -0.5), mode=mode, dtype=proj.dtype)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
