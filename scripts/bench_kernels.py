@@ -559,6 +559,55 @@ def section_commit():
                 record("gdn_commit", dict(b=b, t=t, hv=hv, layers=n_layers), name, sec, nbytes)
 
 
+def section_mixer():
+    """The one-kernel GDN mixer of a decode (T = 1, "final"), a verify window (T = 2, 4, "replay") and a 4-token
+    "final" window at the 0.8B and 4B shapes (Hk 16, Hv 16 / 32, d 128), batch 1 and 8, under launch variants (``--mixer-variants``, a JSON list of
+    keyword sets of :func:`gdn_mixer_triton`; the defaults are always timed first). Device time (use ``--timer
+    trace``): the kernels of a chain of calls, the small chain op included, so compare variants, not absolutes."""
+    from jaxmtp.pallas.gated_delta_rule.mixer_triton import gdn_mixer_triton
+
+    sm = ARGS.smoke
+    variants = [{}] + (json.loads(ARGS.mixer_variants) if ARGS.mixer_variants else [
+        {"num_warps": 2}, {"num_warps": 8}, {"block_v": 16}, {"block_v": 16, "num_warps": 2},
+        {"block_v": 64, "num_warps": 8}])
+    shapes = [("tiny", 2, 4, 16)] if sm else [("0.8b", 16, 16, 128), ("4b", 16, 32, 128)]
+    for name, hk, hv, d in shapes:
+        c = 2 * hk * d + hv * d
+        p_cols = c + hv * d + 2 * hv
+        configs = ((1, 1, False), (1, 2, True), (1, 4, True), (1, 4, False), (8, 4, True)) if not sm else (
+            (1, 1, False), (2, 4, True))
+        for b, t, replay in configs:  # replay False with T > 1: a short prefill window (the state after it)
+            if out_of_time("mixer"):
+                return
+            key = jax.random.split(jax.random.key(b * 10 + t), 6)
+            proj = jax.random.normal(key[0], (b, t, p_cols), jnp.bfloat16)
+            ring = jax.random.normal(key[1], (b, 4, c), jnp.bfloat16)
+            conv_w = 0.3 * jax.random.normal(key[2], (4, c), jnp.bfloat16)
+            a_log, dt_bias = jax.random.normal(key[3], (hv,)), jax.random.normal(key[4], (hv,))
+            state = 0.1 * jax.random.normal(key[5], (b, hv, d, d), jnp.float32)
+            valid, start = jnp.ones((b, t), bool), jnp.full((b,), 7, jnp.int32)
+            # the next call's state depends on this call's output (a true dependency; one small fused op)
+            chain = lambda a, out: (*a[:5], a[5] + out[0][0, 0, 0, 0].astype(jnp.float32), *a[6:])  # noqa: E731
+            ref = None
+            for kw in variants:
+                if kw.get("block_v", 0) > d:
+                    continue
+                fn = functools.partial(gdn_mixer_triton, hk=hk, hv=hv, dk=d, dv=d, replay=replay, **kw,
+                                       **impl_kw())
+                out = guarded(f"mixer {name} {kw}", fn, proj, ring, conv_w, a_log, dt_bias, state, valid, start)
+                if out is None:
+                    continue
+                if ref is None:
+                    ref = out[0]
+                else:
+                    add_check(f"mixer {name} b{b} t{t} {kw} vs defaults", rel_err(out[0], ref)[0],
+                              bool(jnp.isfinite(out[0].astype(jnp.float32)).all()), 1e-2)
+                sec = guarded(f"mixer {name} {kw}", time_jax, fn, proj, ring, conv_w, a_log, dt_bias, state, valid,
+                              start, chain=chain)
+                if sec:
+                    record("gdn_mixer", dict(model=name, b=b, t=t, replay=replay), json.dumps(kw) or "{}", sec)
+
+
 def chunk_flops(b, t, hk, hv, d, c=64):
     n = math.ceil(t / c)
     per_chunk = 2 * (4 * c * c * d + 4 * c * d * d)  # kk^T, qk^T, T.v, T.k; W.S, Q.S, K^T.V_new, Aqk.V_new (~c*c*d)
@@ -805,6 +854,7 @@ SECTIONS = {
     "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk,
     "attention": section_attention, "moe": section_moe,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
+    "mixer": section_mixer,
 }
 
 
@@ -842,6 +892,8 @@ def main():
     p.add_argument("--moe-variants", default=None,
                    help='moe_sweep: a JSON list of keyword sets to time instead of the single changes, e.g. '
                         '\'[{"block_k": 64, "num_stages": 2}]\' (the plan is always timed first)')
+    p.add_argument("--mixer-variants", default=None,
+                   help='mixer section: a JSON list of gdn_mixer_triton keyword sets, e.g. \'[{"num_warps": 2}]\'')
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
     p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")
