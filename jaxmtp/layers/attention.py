@@ -15,6 +15,7 @@ from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.projections import output_product, project
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.attention import cached_attention, fused_gated_attention, output_gate_reference, prelude_reference
+from jaxmtp.layers.rope import rope_inv_freq
 from jaxmtp.pallas.matmul import linear
 
 
@@ -54,9 +55,11 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:
-        y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"], cos, sin, cache.k, cache.v,
-                                        positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps,
-                                        implementation=prelude, attention=implementation)
+        # the kernel forms the rotary angles from the positions (cos and sin unused here: no XLA kernels for them)
+        y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"],
+                                        rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), cache.k, cache.v, positions,
+                                        hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps, implementation=prelude,
+                                        attention=implementation)
         return o_proj(take_rows(y, out_rows)), KVCache(k, v)
     q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
                                       cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)

@@ -9,6 +9,9 @@ RoPE, cache write, attention, output gate): with a Triton implementation two ker
 (:mod:`.prelude_triton`), else the jnp steps with :func:`cached_attention`.
 """
 
+import jax.numpy as jnp
+
+from jaxmtp.layers.rope import rope_cos_sin
 from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
 from jaxmtp.pallas.attention.reference import (attention_reference, output_gate_reference, prelude_reference,
                                                split_qkv)
@@ -38,11 +41,11 @@ def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementa
     raise ValueError(f"unknown attention implementation {implementation!r}")
 
 
-def fused_gated_attention(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps,
+def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
                           implementation="xla", attention=None):
     """Gated attention of a decode / verify window from the fused projection ``proj [B, T, P]`` (serving layout's
-    ``qkv_proj``, :func:`split_qkv`; other inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in
-    proj.dtype, k_cache, v_cache).
+    ``qkv_proj``, :func:`split_qkv`; ``inv_freq`` [rotary_dim / 2]: :func:`jaxmtp.layers.rope.rope_inv_freq`; other
+    inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in proj.dtype, k_cache, v_cache).
 
     ``implementation`` ``"triton"`` / ``"triton_interpret"`` runs :mod:`.prelude_triton` where
     :func:`.prelude_triton.supported` allows; otherwise (and for any other name) the reference steps run, with
@@ -50,11 +53,12 @@ def fused_gated_attention(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, posi
     if implementation in (TRITON, TRITON_INTERPRET):
         from jaxmtp.pallas.attention import prelude_triton
 
-        if prelude_triton.supported(t=proj.shape[1], hq=hq, hkv=hkv, d=d, rd=cos.shape[-1], s=k_cache.shape[2],
-                                    p=proj.shape[-1]):
-            return prelude_triton.gated_attention_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache,
+        if prelude_triton.supported(t=proj.shape[1], hq=hq, hkv=hkv, d=d, rd=2 * inv_freq.shape[-1],
+                                    s=k_cache.shape[2], p=proj.shape[-1]):
+            return prelude_triton.gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache,
                                                          positions, hq=hq, hkv=hkv, d=d, eps=eps,
                                                          interpret=interpret_arg(implementation))
+    cos, sin = rope_cos_sin(jnp.maximum(positions, 0), inv_freq)
     q, gate, k_cache, v_cache = prelude_reference(*split_qkv(proj, hq=hq, hkv=hkv, d=d), q_norm, k_norm, cos, sin,
                                                   k_cache, v_cache, positions, hq=hq, hkv=hkv, d=d, eps=eps)
     o = cached_attention(q, k_cache, v_cache, positions, implementation=attention or implementation)

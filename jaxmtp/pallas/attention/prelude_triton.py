@@ -3,7 +3,8 @@ Triton lowering) instead of about ten small XLA ones.
 
 ``prelude``, grid ``(B, Hkv, G + 1, T)`` (G = Hq / Hkv): from the fused projection ``proj [B, T, P]`` (columns as
 in :func:`.reference.split_qkv`), program ``(b, kv, j, i)`` takes token i's query head ``kv * G + j`` (j < G), RMS-norms
-and ropes it and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]`` (row
+and ropes it (the angles formed from the position and the rotary frequencies, where XLA ran two or three kernels
+per step for the cos and sin tables) and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]`` (row
 ``i * G + j``, :mod:`.decode_triton`), or (j = G) the kv head's k, normed and roped, and v into the caches at row
 ``positions[b, i]`` in place (input-output aliases; nothing for padding tokens). One program per head row keeps each
 program's chain short: a version with one program per kv head looping over its heads and tokens took 10.6 us for a
@@ -62,13 +63,17 @@ def _norm_rope(load, w_ref, cos, sin, *, d, rd, eps, dtype):
     return list(zip((o for o, _ in spans), ys))
 
 
-def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, _kc_in, _vc_in,
+def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, inv_ref, pos_ref, _kc_in, _vc_in,
                     qr_ref, posr_ref, kc_ref, vc_ref, *, t, grp, d, rd, eps, mp):
     h, j, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    dtype, half = qr_ref.dtype, rd // 2
-    cs = [(ref[pl.ds(0, half)], ref[pl.ds(half, half)]) for ref in (cos_ref, sin_ref)]
-    norm_rope = functools.partial(_norm_rope, d=d, rd=rd, eps=eps, dtype=dtype)
+    dtype = qr_ref.dtype
     position = pos_ref[0]
+    # the token's angles, as jaxmtp.layers.rope.rope_cos_sin forms them (padding tokens at position 0); both rotary
+    # halves share them
+    angle = jnp.maximum(position, 0).astype(jnp.float32) * inv_ref[...]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    cs = [(cos, cos), (sin, sin)]
+    norm_rope = functools.partial(_norm_rope, d=d, rd=rd, eps=eps, dtype=dtype)
 
     @pl.when(j < grp)
     def _():  # query head h * G + j of token i
@@ -96,21 +101,22 @@ def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_r
 
 
 @functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "mp", "interpret"))
-def prelude_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps, mp,
+def prelude_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps, mp,
                    interpret=False):
-    """proj [B, T, P]; q_norm, k_norm [D]; cos, sin [B, T, rd] float32; caches [B, Hkv, S, D]; positions [B, T].
+    """proj [B, T, P]; q_norm, k_norm [D]; inv_freq [rd / 2] float32 (:func:`jaxmtp.layers.rope.rope_inv_freq`:
+    each program forms its token's cos and sin); caches [B, Hkv, S, D]; positions [B, T].
     Returns (qr [B, Hkv, MP, D] in proj.dtype, pos [B, MP] int32, k_cache, v_cache): the inputs of
     :func:`.decode_triton.attention_core` (as :func:`.decode_triton.pack_queries` packs them) and the caches with
     the new rows (in place)."""
     b, t, _ = proj.shape
-    s, rd, grp = k_cache.shape[2], cos.shape[-1], hq // hkv
+    s, rd, grp = k_cache.shape[2], 2 * inv_freq.shape[-1], hq // hkv
     cache_spec = pl.BlockSpec((None, None, s, d), lambda bi, h, j, i: (bi, h, 0, 0))
     row = lambda w, blk: pl.BlockSpec((None, None, w), lambda bi, h, j, i: (bi, i, blk(h, j)))  # noqa: E731
     in_specs = [
         # q of head h*G + j (for j = G a block no program reads, still inside proj), k and v of kv head h
         row(d, lambda h, j: 2 * (h * grp + j)), row(d, lambda h, j: 2 * hq + h), row(d, lambda h, j: 2 * hq + hkv + h),
         pl.BlockSpec((d,), lambda bi, h, j, i: (0,)), pl.BlockSpec((d,), lambda bi, h, j, i: (0,)),
-        row(rd, lambda h, j: 0), row(rd, lambda h, j: 0),
+        pl.BlockSpec((rd // 2,), lambda bi, h, j, i: (0,)),
         pl.BlockSpec((None, None, 1), lambda bi, h, j, i: (bi, i, 0)),
         cache_spec, cache_spec,
     ]
@@ -126,11 +132,11 @@ def prelude_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, 
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
-        input_output_aliases={8: 2, 9: 3},
+        input_output_aliases={7: 2, 8: 3},
         interpret=interpret,
         name="attention_prelude",
-    )(proj, proj, proj, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
-      positions.astype(jnp.int32)[..., None], k_cache, v_cache)
+    )(proj, proj, proj, q_norm, k_norm, jnp.asarray(inv_freq, jnp.float32), positions.astype(jnp.int32)[..., None],
+      k_cache, v_cache)
 
 
 def _epilogue_kernel(gate_ref, *refs, grp):
@@ -188,7 +194,7 @@ def supported(*, t, hq, hkv, d, rd, s, p) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "interpret"))
-def gated_attention_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions, *, hq, hkv, d, eps,
+def gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
                            interpret=False):
     """Prelude, attention launch and epilogue: (y [B, T, Hq*D], k_cache, v_cache), the contract of
     :func:`jaxmtp.pallas.attention.fused_gated_attention` (shapes: :func:`supported`)."""
@@ -198,7 +204,7 @@ def gated_attention_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, pos
     # block finds nothing to read: one idle program), above it down
     n_split = min(1 << (n_split - 1).bit_length(), MAX_SPLITS) if n_split <= MAX_SPLITS else MAX_SPLITS
     mp = math.ceil(t * (hq // hkv) / bm) * bm
-    qr, pos, k_cache, v_cache = prelude_triton(proj, q_norm, k_norm, cos, sin, k_cache, v_cache, positions,
+    qr, pos, k_cache, v_cache = prelude_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions,
                                                hq=hq, hkv=hkv, d=d, eps=eps, mp=mp, interpret=interpret)
     outs = attention_core(qr, pos, k_cache, v_cache, scale=d**-0.5, block_rows=bm, block_kv=bs, n_split=n_split,
                           interpret=interpret)
