@@ -333,23 +333,6 @@ def test_int8_gemv_scales_and_casts_inside(rng, m, swiglu):
         gemv_matmul_triton(x, q, scale[:8], transpose_w=True, swiglu=swiglu, interpret=True)
 
 
-@pytest.mark.parametrize("m,splits", [(4, 1), (5, 2)])
-def test_skinny_kernel_scales_int8_columns(rng, m, splits):
-    """The tensor-core kernel with an int8 W and a per-column scale: in the kernel with one split along K (the
-    float32 product scaled, then cast), after the partials' sum with two; both against float64."""
-    k, n = 256, 48
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
-    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
-    y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype=jnp.bfloat16, mask_rows=True, column_scale=scale,
-                             block_n=16, block_k=64, splits=splits, interpret=True)
-    assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
-    want = np.asarray(x, np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
-    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8, atol=1e-3 * np.abs(want).max())
-    with pytest.raises(ValueError, match="column_scale"):
-        skinny_matmul_triton(x, q, transpose_w=True, mask_rows=True, column_scale=scale[:16], interpret=True)
-
-
 def test_int8_layer_products_route_to_the_gemv_kernel(rng, monkeypatch):
     """Up to LAYER_GEMV_MAX_ROWS (here 4) rows of an int8 [N <= 65536, K] weight: one multiply-add kernel (scale,
     cast, SwiGLU inside); more rows keep the tensor-core path; the results agree with the quantised reference."""

@@ -165,9 +165,9 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
     gemv_rows = LAYER_GEMV_MAX_ROWS if n <= LAYER_GEMV_MAX_N else GEMV_MAX_ROWS  # an MTP layer product, or a head
     if kernel and rows <= gemv_rows and gemv_supports(rows, kdim, n, True, q.dtype):
         return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=out_dtype, interpret=interpret)
-    if kernel and supports(rows, kdim, n):  # the scale and the cast inside the kernel where K is not split
-        return skinny_matmul_triton(x, q, transpose_w=True, out_dtype=jnp.dtype(out_dtype).name, mask_rows=True,
-                                    column_scale=scale, interpret=interpret)
+    if kernel and supports(rows, kdim, n):
+        y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", mask_rows=True, interpret=interpret)
+        return (y * scale).astype(out_dtype)
     return quantized_matmul_reference(x, q, scale).astype(out_dtype)
 
 

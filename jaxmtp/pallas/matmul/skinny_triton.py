@@ -93,8 +93,7 @@ def _rows(x_ref, off, bk, m, swiglu):
     return swiglu_tile(g, u, x_ref.dtype)
 
 
-def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
-    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])  # a per-column scale with one split
+def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
     k0 = pl.program_id(1) * k_per_split
     mp, bn = x_ref.shape[0], o_ref.shape[-1]
 
@@ -111,10 +110,7 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, swiglu, 
             return acc + mm(xb, w_ref[:, pl.ds(off, bk)], tb=True, dtype=dtype, interpret=interpret)
         return acc + mm(xb, w_ref[pl.ds(off, bk), :], dtype=dtype, interpret=interpret)
 
-    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32))
-    if scale_ref is not None:
-        acc = acc * scale_ref[...][None, :]
-    acc = acc.astype(o_ref.dtype)
+    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32)).astype(o_ref.dtype)
     if m == mp:
         o_ref[...] = acc
     else:  # the output is not padded either: rows from m on are not stored
@@ -126,15 +122,12 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, swiglu, 
                                              "interpret"))
 def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
                          num_warps=None, num_stages=None, swiglu=False, mask_rows=False, partials=False,
-                         column_scale=None, interpret=False):
+                         interpret=False):
     """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
     x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
     (not with int4 weights): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
     (no pad kernel before it, no slice after). ``partials`` (with ``mask_rows``): with several splits along K, a
-    :class:`jaxmtp.pallas._common.SplitSum` of the float32 partials ``[S, ..., N]`` instead of their sum.
-    ``column_scale`` [N] float32 (not with ``partials``): the result ``(x @ W) * column_scale``, the float32 product
-    scaled before the cast to ``out_dtype`` (an int8 weight's per-channel scale), in the kernel where K is not split,
-    else after the sum of the partials."""
+    :class:`jaxmtp.pallas._common.SplitSum` of the float32 partials ``[S, ..., N]`` instead of their sum."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
@@ -159,15 +152,9 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
                                dtype=_operand_dtype(x.dtype, w.dtype), interpret=bool(interpret))
     if partials and not mask_rows:
         raise ValueError("partials need mask_rows (unpadded rows)")
-    if column_scale is not None and (partials or column_scale.shape != (n,)):
-        raise ValueError(f"column_scale must be [{n}] and not combined with partials")
-    launch = functools.partial(launch_row_kernel, kernel, x, w, rows=mp, block_n=bn, splits=ns,
-                               transpose_w=transpose_w, num_warps=num_warps or 4, num_stages=num_stages or 4,
-                               interpret=interpret, name="skinny_matmul", pad=not mask_rows, partials=partials)
-    if column_scale is None or ns == 1:
-        return launch(out_dtype=out_dtype, column_scale=None if column_scale is None else
-                      column_scale.astype(jnp.float32))
-    return (launch(out_dtype=jnp.float32) * column_scale).astype(out_dtype)
+    return launch_row_kernel(kernel, x, w, rows=mp, block_n=bn, splits=ns, transpose_w=transpose_w,
+                             out_dtype=out_dtype, num_warps=num_warps or 4, num_stages=num_stages or 4,
+                             interpret=interpret, name="skinny_matmul", pad=not mask_rows, partials=partials)
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
