@@ -353,6 +353,27 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
     return out
 
 
+def bench_ratio(model, batch: int, k: int, context: int, rounds: int, syncs: int, steps_per_sync: int) -> dict:
+    """The k-draft step against the plain step of the same weights, timed in alternating rounds in one process (each
+    round: ``syncs`` loops of the plain engine, then of the k engine): the per-round ratios and their median, so
+    that drift within the process (clocks, other tenants) moves both steps alike. The spread between processes is
+    larger still (docs/performance.md, runs 14-17): run several processes and report the distribution."""
+    room = steps_per_sync * (rounds * syncs + 2) * (k + 1) + 16
+    engines = [synthetic_engine(model, batch, kk, context, room, steps_per_sync) for kk in (0, k)]
+    for eng in engines:
+        timed_loops(eng, model.params, 1)  # compile and warm
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, eng in enumerate(engines):
+            ts = [dt for dt, _ in timed_loops(eng, model.params, syncs)]
+            times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
+    ratios = [b / a for a, b in zip(*times)]
+    del engines
+    return {"batch": batch, "k": k, "plain_round_ms": times[0], "k_round_ms": times[1], "round_ratios": ratios,
+            "plain_ms": float(np.median(times[0])), "k_ms": float(np.median(times[1])),
+            "ratio": float(np.median(ratios))}
+
+
 def bench_lone_request(model, slots: int, k: int, context: int, syncs: int, steps_per_sync: int) -> dict:
     """One busy slot (slot 0) in an engine of ``slots``: the step over every slot against the step over the
     smallest slot bucket (the engine's default since slot buckets), and an engine of one slot."""
@@ -462,6 +483,9 @@ def main(argv=None) -> int:
                     "threshold of jaxmtp.pallas.matmul, set while that variant compiles): each grid point is timed in "
                     "alternating rounds")
     ap.add_argument("--ab-rounds", type=int, default=6)
+    ap.add_argument("--ratio", default="", help="batch:k pairs, e.g. 1:3: the k step against the plain step in "
+                    "alternating rounds in one process (--ratio-rounds), per-round ratios and their median")
+    ap.add_argument("--ratio-rounds", type=int, default=6)
     ap.add_argument("--engine-ks", default="", help="k values for a real single-request Engine run (host included)")
     ap.add_argument("--engine-models", default=None)
     ap.add_argument("--lone", default="", help="slots:k pairs, e.g. 32:3;8:0: one busy slot, full step vs bucket")
@@ -565,6 +589,21 @@ def main(argv=None) -> int:
                 r.update(speedup_bound(r, plain, bw))
             entry["steps"].append(r)
             print("step", json.dumps({x: r[x] for x in r if x != "bytes_needed"}), flush=True)
+            save()
+        for batch, k in (parse_grid(args.ratio) if args.ratio else []):
+            if over() or k == 0:
+                continue
+            try:
+                r = bench_ratio(model, batch, k, args.context, args.ratio_rounds, args.syncs, args.steps_per_sync)
+            except Exception as e:  # noqa: BLE001
+                r = {"batch": batch, "k": k, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            entry.setdefault("ratio", []).append(r)
+            if "error" not in r:
+                print(f"ratio {name} B={batch} k={k}: plain {r['plain_ms']:.3f} ms, k {r['k_ms']:.3f} ms, k / plain "
+                      f"{r['ratio']:.3f} (rounds {min(r['round_ratios']):.3f}-{max(r['round_ratios']):.3f})",
+                      flush=True)
+            else:
+                print("ratio", json.dumps(r), flush=True)
             save()
         for slots, k in (parse_grid(args.lone) if args.lone else []):
             if over():
