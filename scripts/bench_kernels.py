@@ -561,9 +561,10 @@ def section_commit():
 
 def section_mixer():
     """The one-kernel GDN mixer of a decode (T = 1, "final"), a verify window (T = 2, 4, "replay") and a 4-token
-    "final" window at the 0.8B and 4B shapes (Hk 16, Hv 16 / 32, d 128), batch 1 and 8, under launch variants (``--mixer-variants``, a JSON list of
-    keyword sets of :func:`gdn_mixer_triton`; the defaults are always timed first). Device time (use ``--timer
-    trace``): the kernels of a chain of calls, the small chain op included, so compare variants, not absolutes."""
+    "final" window at the 0.8B and 4B shapes (Hk 16, Hv 16 / 32, d 128), batch 1 and 8, under launch variants
+    (``--mixer-variants``, a JSON list of keyword sets of :func:`gdn_mixer_triton`; the defaults are always timed
+    first). Device time (use ``--timer trace``): the kernels of a chain of calls, the small chain op included, so
+    compare variants, not absolutes."""
     from jaxmtp.pallas.gated_delta_rule.mixer_triton import gdn_mixer_triton
 
     sm = ARGS.smoke
@@ -605,7 +606,7 @@ def section_mixer():
                 sec = guarded(f"mixer {name} {kw}", time_jax, fn, proj, ring, conv_w, a_log, dt_bias, state, valid,
                               start, chain=chain)
                 if sec:
-                    record("gdn_mixer", dict(model=name, b=b, t=t, replay=replay), json.dumps(kw) or "{}", sec)
+                    record("gdn_mixer", dict(model=name, b=b, t=t, replay=replay), json.dumps(kw), sec)
 
 
 def chunk_flops(b, t, hk, hv, d, c=64):

@@ -1,11 +1,11 @@
 """The gated-attention layer of a decode or verify step around the attention kernel, as two GPU kernels (Pallas,
 Triton lowering) instead of about ten small XLA ones.
 
-``prelude``, grid ``(B, Hkv, G + 1, T)`` (G = Hq / Hkv): from the fused projection ``proj [B, T, P]`` (columns as
-in :func:`.reference.split_qkv`), program ``(b, kv, j, i)`` takes token i's query head ``kv * G + j`` (j < G), RMS-norms
-and ropes it (the angles formed from the position and the rotary frequencies, where XLA ran two or three kernels
-per step for the cos and sin tables) and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]`` (row
-``i * G + j``, :mod:`.decode_triton`), or (j = G) the kv head's k, normed and roped, and v into the caches at row
+``prelude``, grid ``(B, Hkv, G + 1, T)`` (G = Hq / Hkv): from the fused projection ``proj [B, T, P]`` (columns as in
+:func:`.reference.split_qkv`), program ``(b, kv, j, i)`` takes token i's query head ``kv * G + j`` (j < G), RMS-norms
+and ropes it (the angles formed from the position and the rotary frequencies, where XLA ran two or three kernels per
+step for the cos and sin tables) and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]``
+(row ``i * G + j``, :mod:`.decode_triton`), or (j = G) the kv head's k, normed and roped, and v into the caches at row
 ``positions[b, i]`` in place (input-output aliases; nothing for padding tokens). One program per head row keeps each
 program's chain short: a version with one program per kv head looping over its heads and tokens took 10.6 us for a
 4-token verify window at the 4B shape (H100). Programs ``(b, 0, j, i)`` also write the packed row positions
