@@ -33,10 +33,11 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import (argmax_from_partials, linear, quantized_argmax, quantized_argmax_partials,
-                                  quantized_linear)
+from jaxmtp.pallas.matmul import (argmax_from_partials, argmax_partials_apply, linear, quantized_argmax,
+                                  quantized_argmax_partials, quantized_linear)
 from jaxmtp.param_layout import has_quantized_mtp
-from jaxmtp.pallas.norms import add_rms_norm, draft_input as norm_draft_input, rms_norm as norm_kernel
+from jaxmtp.pallas.norms import (add_rms_norm, add_rms_norm_quantized, draft_input as norm_draft_input, fc_input,
+                                 rms_norm as norm_kernel)
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -240,16 +241,26 @@ def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.
     return _vocab_ids(params, quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head))
 
 
-def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA) -> tuple:
+def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA, quantized=None) -> tuple:
     """The drafts' greedy choice for hidden [B, H] as ``(ids, None)`` (:func:`draft_ids`), or, where the int4 head's
     argmax kernel runs over the whole vocabulary, ``(None, (vals, idx))``: its per-program partials, which the next
-    draft pass's input kernel finishes (:func:`draft_pass_input`) or :func:`chosen_ids` does."""
+    draft pass's input kernel finishes (:func:`draft_pass_input`) or :func:`chosen_ids` does. ``quantized``: the
+    rows' int8 form, made by the norm kernel that formed hidden (:func:`mtp_forward` with ``logits="choice"``)."""
     dh = params.get("draft_head")
     if dh is not None and "scale" in dh and "ids" not in dh:
-        partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
+        partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head,
+                                             quantized=quantized)
         if partials is not None:
             return None, partials
     return draft_ids(params, hidden, backend), None
+
+
+def _head_takes_quantized_rows(params: Params, rows: int, hdim: int, backend: Backend) -> bool:
+    """Whether the draft head runs the int4 argmax kernel on ``rows`` rows, so that the final norm kernel may hand it
+    the rows quantised (:func:`jaxmtp.pallas.norms.add_rms_norm_quantized`)."""
+    dh = params.get("draft_head")
+    return (dh is not None and "scale" in dh and "ids" not in dh
+            and argmax_partials_apply(rows, hdim, dh["weight"], backend.draft_head))
 
 
 def chosen_ids(choice: tuple) -> jax.Array:
@@ -270,15 +281,15 @@ def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: j
         d, x = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
                                 mp["pre_fc_norm_hidden"], eps, implementation=backend.norm)
         return d, x[:, None]
-    return ids, mtp_fc_input(params, cfg, ids, hidden)[:, None]
+    return ids, mtp_fc_input(params, cfg, ids, hidden, backend)[:, None]
 
 
-def mtp_fc_input(params: Params, cfg: Qwen35Config, next_tokens, hidden) -> jax.Array:
-    """The MTP's fc input ``concat[rms_norm(E[next_tokens]), rms_norm(hidden)]`` [..., 2H] in the embedding's dtype."""
-    mp, eps = params["mtp"], cfg.rms_norm_eps
-    e = rms_norm(params["embed_tokens"][next_tokens], mp["pre_fc_norm_embedding"], eps)
-    h = rms_norm(hidden.astype(e.dtype), mp["pre_fc_norm_hidden"], eps)
-    return jnp.concatenate([e, h], axis=-1)
+def mtp_fc_input(params: Params, cfg: Qwen35Config, next_tokens, hidden, backend: Backend = XLA) -> jax.Array:
+    """The MTP's fc input ``concat[rms_norm(E[next_tokens]), rms_norm(hidden)]`` [..., 2H] in the embedding's dtype
+    (one kernel on a kernel backend: :func:`jaxmtp.pallas.norms.fc_input`)."""
+    mp = params["mtp"]
+    return fc_input(next_tokens, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"], mp["pre_fc_norm_hidden"],
+                    cfg.rms_norm_eps, implementation=backend.norm)
 
 
 def describe_draft_head(params: Params, vocab_size: int) -> str:
@@ -361,20 +372,31 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     still writes its keys and values into the carry, but o_proj, the MLP (an MoE's experts) and the final norm run
     on one row: a verify window's draft pass needs the accepted row only. ``fc_input`` [B, T, 2H]: the normed and
     concatenated input already formed (:func:`draft_pass_input`); next_tokens and hidden are then unused.
+    ``logits="choice"`` (one output row: ``out_rows`` given or T = 1): the drafts' :func:`draft_choice` instead of
+    logits, the rows handed to the int4 head quantised by the final norm's kernel where both kernels run.
     """
     mp = params["mtp"]
     eps = cfg.rms_norm_eps
     # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
     layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if has_quantized_mtp(params) else backend
     if fc_input is None:
-        fc_input = mtp_fc_input(params, cfg, next_tokens, hidden)
+        fc_input = mtp_fc_input(params, cfg, next_tokens, hidden, backend)
     z = linear(fc_input, mp["fc"], implementation=layer_backend.matmul)
     cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     j = step % cfg.mtp_num_hidden_layers
     z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
                               backend=layer_backend, out_rows=out_rows)
-    _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
+    if logits == "choice":
+        if z.shape[1] != 1:
+            raise ValueError(f"logits='choice' drafts from one row per window, not {z.shape[1]} (give out_rows)")
+        quantized = None
+        if _head_takes_quantized_rows(params, z.shape[0], z.shape[-1], backend):
+            _, hm, quantized = add_rms_norm_quantized(z, mlp, mp["norm"], eps, implementation=backend.norm)
+        else:
+            _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
+        return draft_choice(params, hm[:, 0], backend, quantized), hm, new_carry
+    _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     logits = select_logits(params, hm, take_rows(positions, out_rows), logits,
                            head=lambda h: draft_head(params, h, backend))
     return logits, hm, new_carry

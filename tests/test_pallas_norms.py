@@ -18,7 +18,7 @@ from jaxmtp.layers.norms import rms_norm
 from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas._common import SplitSum
-from jaxmtp.pallas.norms import add_rms_norm, draft_input, supports
+from jaxmtp.pallas.norms import add_rms_norm, draft_input, fc_input, supports
 from jaxmtp.pallas.norms import rms_norm as norm_only
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
@@ -152,3 +152,47 @@ def test_draft_input_kernel_matches_float64(rng, g, b):
 
     want = np.concatenate([norm64(np.asarray(emb)[want_d], we), norm64(h, wh)], axis=-1)
     np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=2 ** -7, atol=1e-6)
+
+
+def test_fc_input_kernel_matches_float64(rng):
+    """fc_input (Pallas interpreter) for known ids over a [B, T] window: [rms_norm(E[id]), rms_norm(h)] as a float64
+    evaluation gives it, and the XLA path agrees."""
+    v, hdim, b, t = 300, 256, 2, 3
+    ids = np.asarray(rng.integers(0, v, (b, t)), np.int32)
+    ids[1, 2] = -1  # a padding row's id indexes as embed[-1] does: the last row
+    ids = jnp.asarray(ids)
+    emb = jnp.asarray(rng.standard_normal((v, hdim)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((b, t, hdim)), jnp.bfloat16)
+    we, wh = (jnp.asarray(0.1 * rng.standard_normal(hdim), jnp.float32) for _ in range(2))
+    x = fc_input(ids, emb, h, we, wh, 1e-6, implementation="triton_interpret")
+    assert x.shape == (b, t, 2 * hdim) and x.dtype == jnp.bfloat16
+
+    def norm64(a, w):
+        a = np.asarray(a, np.float64)
+        return a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * (1 + np.asarray(w, np.float64))
+
+    want = np.concatenate([norm64(np.asarray(emb, np.float64)[np.asarray(ids) % v], we), norm64(h, wh)], axis=-1)
+    np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=2 ** -7, atol=1e-6)
+    ref = fc_input(ids, emb, h, we, wh, 1e-6, implementation="xla")
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(ref, np.float64), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("r, h", [(1, 256), (3, 640)])
+def test_add_norm_quantizes_rows_as_the_head_does(rng, r, h):
+    """The final norm with the int4 head's row quantisation (Pallas interpreter): s and h as the add + norm kernel
+    gives them, and the int8 words, scales and sums exactly as quantize_rows_triton gives them from h, which
+    test_row_quantize_kernel_equals_its_reference checks against the float reference."""
+    from jaxmtp.pallas.matmul.w4a8_triton import quantize_rows_triton
+    from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_quantized_triton
+
+    x, y = (jnp.asarray(rng.standard_normal((r, 1, h)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(0.1 * rng.standard_normal(h), jnp.float32)
+    s, out, (xlo, xhi, rs, rsum) = add_rms_norm_quantized_triton(x, y, w, 1e-6, interpret=True)
+    s_ref, out_ref = add_rms_norm(x, y, w, 1e-6, implementation="triton_interpret")
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_ref))
+    want = quantize_rows_triton(out_ref.reshape(r, h), interpret=True)
+    for got, exp in zip((xlo, xhi), want[:2]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+    for got, exp in zip((rs, rsum), want[2:]):
+        np.testing.assert_array_equal(np.asarray(got)[:r], np.asarray(exp)[:r])

@@ -275,6 +275,36 @@ def test_recursive_draft_input_from_argmax_partials(rng):
     np.testing.assert_allclose(np.asarray(hm, np.float64), np.asarray(hm_ref, np.float64), atol=3e-2, rtol=0)
 
 
+def test_choice_from_the_final_norms_quantized_rows(rng, monkeypatch):
+    """mtp_forward(logits="choice") on the kernel backend (Pallas interpreter): the final norm kernel hands the int4
+    head its rows already quantised, and the head's argmax partials, the drafted ids and the hidden equal those of
+    the plain pass followed by draft_choice (which quantises the rows itself), for a one-token pass and for a
+    window's pass on its accepted rows (two rows: the argmax kernel allowed up to 4 here, 1 by default)."""
+    monkeypatch.setattr(matmul_mod, "DRAFT_ARGMAX_MAX_ROWS", 4)
+    cfg = _config(False).replace(hidden_size=128, vocab_size=4000)
+    params = serving_layout(init_params(cfg, jax.random.key(8), jnp.float32, scale=0.1), draft_head_bits=4)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim == 2 else a, params)
+    be = Backend(draft_head="triton_interpret", norm="triton_interpret")
+    b, t = 2, 3
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.bfloat16)
+    pos = jnp.asarray([[4, 5, 6], [0, 1, 2]], jnp.int32)
+    carry = init_mtp_carry(cfg, b, 16, jnp.bfloat16)
+    for sl, rows in ((slice(0, 1), None), (slice(0, t), jnp.asarray([2, 0], jnp.int32))):
+        kw = dict(cfg=cfg, backend=be, out_rows=rows)
+        choice, hm, c = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, logits="choice", **kw)
+        _, hm_ref, c_ref = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, logits="none", **kw)
+        want = draft_choice(params, hm_ref[:, 0], be)
+        assert choice[0] is None and want[0] is None  # both are the argmax kernel's partials
+        np.testing.assert_array_equal(np.asarray(hm), np.asarray(hm_ref))
+        for got, exp in zip(choice[1], want[1]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+        np.testing.assert_array_equal(np.asarray(chosen_ids(choice)), np.asarray(draft_ids(params, hm_ref[:, 0])))
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), c, c_ref)
+    with pytest.raises(ValueError, match="one row"):
+        mtp_forward(params, ids, hidden, pos, carry, cfg=cfg, backend=be, logits="choice")
+
+
 def test_default_draft_head_is_int4_where_the_gpu_kernel_reads_it():
     gpu = Backend(draft_head="triton")
     assert default_draft_head_bits(2560, gpu) == 4

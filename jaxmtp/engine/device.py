@@ -27,8 +27,7 @@ from flax import struct
 
 from jaxmtp.config import Qwen35Config
 from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
-from jaxmtp.model import (chosen_ids, draft_choice, draft_pass_input, forward, init_carry, init_mtp_carry, lm_head,
-                          mtp_forward)
+from jaxmtp.model import chosen_ids, draft_pass_input, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.sampling import MAX_STOP_IDS, greedy_tokens, sample_tokens
 
@@ -150,20 +149,19 @@ def _finish(tokens, n, generated, max_gen, stop_ids):
     return jnp.where(finished, first + 1, n).astype(jnp.int32), finished, reason
 
 
-def _draft_rest(params, cfg, k, h1, new_length, active, mtp_carry, backend):
-    """Draft 1 from the first pass's hidden h1 [B, H], then recursive MTP steps 2..k (token d_{i}, MTP hidden,
-    position new_length + i - 1; each pass's input formed from the previous head's choice, in one kernel where the
-    head leaves argmax partials: :func:`jaxmtp.model.draft_pass_input`). Returns ([B, k], carry)."""
+def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backend):
+    """Draft 1 from the first pass's hidden h1 [B, H] and its head's ``choice`` (:func:`jaxmtp.model.draft_choice`),
+    then recursive MTP steps 2..k (token d_{i}, MTP hidden, position new_length + i - 1; each pass's input formed
+    from the previous head's choice, in one kernel where the head leaves argmax partials:
+    :func:`jaxmtp.model.draft_pass_input`). Returns ([B, k], carry)."""
     drafts, h = [], h1
-    choice = draft_choice(params, h, backend)
     for i in range(1, k):
         d, x = draft_pass_input(params, cfg, choice, h, backend)
         drafts.append(d)
         pos = jnp.where(active, new_length + i - 1, -1)[:, None]
-        _, hm, mtp_carry = mtp_forward(params, None, None, pos, mtp_carry, cfg=cfg, step=i, logits="none",
-                                       backend=backend, fc_input=x)
+        choice, hm, mtp_carry = mtp_forward(params, None, None, pos, mtp_carry, cfg=cfg, step=i, logits="choice",
+                                            backend=backend, fc_input=x)
         h = hm[:, 0]
-        choice = draft_choice(params, h, backend)
     drafts.append(chosen_ids(choice))
     return jnp.stack(drafts, axis=1), mtp_carry
 
@@ -194,9 +192,9 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         is_last = (jnp.arange(tokens.shape[1])[None] == last_idx[:, None]) & final[:, None]
         nxt = jnp.where(is_last, first[:, None], next_tokens)
         mtp = _take(state.mtp_carry, slots)
-        _, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="none", backend=backend,
-                                 out_rows=last_idx)
-        drafts, mtp = _draft_rest(params, cfg, k, hm[:, 0], prompt_len, final, mtp, backend)
+        choice, hm, mtp = mtp_forward(params, nxt, hidden, positions, mtp, cfg=cfg, logits="choice",
+                                      backend=backend, out_rows=last_idx)
+        drafts, mtp = _draft_rest(params, cfg, k, hm[:, 0], choice, prompt_len, final, mtp, backend)
         if state.oracle is not None:
             oracle = state.oracle.replace(seq=_take(state.oracle.seq, slots))
             drafts = apply_oracle(oracle, drafts, prompt_len, jnp.ones_like(prompt_len), cfg.vocab_size)
@@ -245,9 +243,9 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     new = state.replace(carry=carry, length=new_length, last=jnp.where(act, new_last, state.last),
                         generated=state.generated + n_emit, active=act & ~finished)
     if k > 0:
-        _, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="none", backend=backend,
-                                 out_rows=a)
-        drafts, mtp = _draft_rest(params, cfg, k, hm[:, 0], new_length, new.active, mtp, backend)
+        choice, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="choice",
+                                      backend=backend, out_rows=a)
+        drafts, mtp = _draft_rest(params, cfg, k, hm[:, 0], choice, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
         new = new.replace(mtp_carry=mtp, drafts=drafts)
     return new, {"tokens": t, "n_emit": n_emit, "accepted": jnp.where(act, a, 0), "finished": finished,

@@ -171,14 +171,20 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
     return quantized_matmul_reference(x, q, scale).astype(out_dtype)
 
 
-def quantized_argmax_partials(x, q, scale, *, implementation: str = "xla"):
+def argmax_partials_apply(rows: int, kdim: int, q, implementation: str) -> bool:
+    """Whether :func:`quantized_argmax_partials` runs its kernel: an int4 head, up to ``DRAFT_ARGMAX_MAX_ROWS`` rows,
+    ``"triton"`` / ``"triton_interpret"``."""
+    return (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
+            and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, q.shape[0]))
+
+
+def quantized_argmax_partials(x, q, scale, *, implementation: str = "xla", quantized=None):
     """What :func:`quantized_argmax` computes, left before the argmax kernel's last reduction where that kernel runs
-    (an int4 head with up to ``DRAFT_ARGMAX_MAX_ROWS`` rows on ``"triton"``): ``(vals, idx)`` ``[rows, G]``
-    (:func:`w4a8_argmax_partials_triton`), else None."""
-    rows, kdim, n = math.prod(x.shape[:-1]), x.shape[-1], q.shape[0]
-    if (q.dtype == jnp.uint8 and implementation in (TRITON, TRITON_INTERPRET)
-            and rows <= min(DRAFT_ARGMAX_MAX_ROWS, W4A8_MAX_ROWS) and w4a8_supports(rows, kdim, n)):
-        partials = w4a8_argmax_partials_triton(x.reshape(rows, kdim), as_words(q), scale,
+    (:func:`argmax_partials_apply`): ``(vals, idx)`` ``[rows, G]`` (:func:`w4a8_argmax_partials_triton`), else None.
+    ``quantized``: x's rows in int8 form already (:func:`jaxmtp.pallas.norms.add_rms_norm_quantized`)."""
+    rows, kdim = math.prod(x.shape[:-1]), x.shape[-1]
+    if argmax_partials_apply(rows, kdim, q, implementation):
+        partials = w4a8_argmax_partials_triton(x.reshape(rows, kdim), as_words(q), scale, quantized=quantized,
                                                interpret=implementation == TRITON_INTERPRET)
         return tuple(a[:rows] for a in partials)  # the kernel pads rows to a power of two
     return None
@@ -194,7 +200,7 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "argmax_from_partials", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference",
+__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference",
            "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
            "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton",
            "w4a8_matmul_reference", "w4a8_matmul_triton"]

@@ -93,28 +93,41 @@ def _chunk_blocks(nb: int) -> int:
     return c
 
 
+def quantize_parts(parts, *, interpret: bool = False):
+    """One row's int8 quantisation inside a kernel, from its float32 values as ``parts[i][h]`` ``[c, 16, 4]`` (chunk i
+    of c packing blocks, half h, word, byte; :func:`_chunk_blocks`): ``(scale, rsum, words)`` with ``words[i][h]``
+    the int32 words ``[c * 16]`` of that chunk's half, exactly as :func:`quantize_rows_int8` and :func:`as_words`."""
+    c = parts[0][0].shape[0]
+    shift = 8 * lax.broadcasted_iota(jnp.int32, (c, WORDS_PER_BLOCK, 4), 2)
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(t)) for pair in parts for t in pair])
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    inv = jnp.where(amax > 0, 127.0 / amax, 1.0)
+    rsum, words = jnp.zeros((), jnp.int32), []
+    for pair in parts:
+        row = []
+        for t in pair:
+            q = jnp.clip(round_half_even(t * inv, interpret=interpret), -127.0, 127.0).astype(jnp.int32)
+            rsum = rsum + jnp.sum(q)
+            row.append(jnp.sum((q & 0xFF) << shift, axis=2).reshape(c * WORDS_PER_BLOCK))
+        words.append(row)
+    return scale, rsum, words
+
+
 def _quantize_kernel(x_ref, xlo_ref, xhi_ref, rs_ref, rsum_ref, *, m, interpret):
     """:func:`quantize_rows_int8` and :func:`as_words` for the kernel below, in one program. x_ref: the rows as
     ``[m, K/128, 2, 16, 4]`` (block, half, word, byte); xlo / xhi: int32 words ``[m, K/8]``; rs / rsum: ``[Mp]``."""
     nb = x_ref.shape[1]
     c = _chunk_blocks(nb)
     mp = rs_ref.shape[0]
-    shift = 8 * lax.broadcasted_iota(jnp.int32, (c, WORDS_PER_BLOCK, 4), 2)
     lane = lax.broadcasted_iota(jnp.int32, (mp,), 0)
     rs_all, rsum_all = jnp.ones((mp,), jnp.float32), jnp.zeros((mp,), jnp.int32)
     for r in range(m):
         parts = [[x_ref[r, pl.ds(b, c), h].astype(jnp.float32) for h in (0, 1)] for b in range(0, nb, c)]
-        amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(t)) for pair in parts for t in pair])
-        scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-        inv = jnp.where(amax > 0, 127.0 / amax, 1.0)
-        rsum = jnp.zeros((), jnp.int32)
-        for i, pair in enumerate(parts):
-            for h, t in enumerate(pair):
-                q = jnp.clip(round_half_even(t * inv, interpret=interpret), -127.0, 127.0).astype(jnp.int32)
-                rsum = rsum + jnp.sum(q)
-                words = jnp.sum((q & 0xFF) << shift, axis=2).reshape(c * WORDS_PER_BLOCK)
+        scale, rsum, words = quantize_parts(parts, interpret=interpret)
+        for i, pair in enumerate(words):
+            for h, w in enumerate(pair):
                 out = xlo_ref if h == 0 else xhi_ref
-                out[r, pl.ds(i * c * WORDS_PER_BLOCK, c * WORDS_PER_BLOCK)] = words
+                out[r, pl.ds(i * c * WORDS_PER_BLOCK, c * WORDS_PER_BLOCK)] = w
         rs_all = jnp.where(lane == r, scale, rs_all)
         rsum_all = jnp.where(lane == r, rsum, rsum_all)
     rs_ref[...] = rs_all
@@ -176,7 +189,7 @@ def _kernel(xlo_ref, xhi_ref, rs_ref, rsum_ref, w_ref, scale_ref, *out_refs, m, 
     idx_ref[...] = idxs
 
 
-def _launch(x, words, scale, *, block_n, words_per_step, num_warps, num_stages, argmax, interpret):
+def _launch(x, words, scale, *, block_n, words_per_step, num_warps, num_stages, argmax, interpret, quantized=None):
     lead, kdim = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), words.shape[0]
     if not supports(m, kdim, n) or words.dtype != jnp.int32 or words.shape[1] * 8 != kdim:
@@ -187,7 +200,8 @@ def _launch(x, words, scale, *, block_n, words_per_step, num_warps, num_stages, 
     if bw % WORDS_PER_BLOCK or (kdim // 8) % bw or n % block_n:
         raise ValueError(f"tiles BN={block_n}, {bw} words per step do not divide [{kdim}, {n}]")
     mp, g = next_pow2(m), n // block_n
-    xlo, xhi, rs, rsum = quantize_rows_triton(x.reshape(m, kdim), interpret=interpret)
+    # the rows' int8 form: given (the final norm kernel formed it, jaxmtp.pallas.norms.add_rms_norm) or made here
+    xlo, xhi, rs, rsum = quantized or quantize_rows_triton(x.reshape(m, kdim), interpret=interpret)
     full = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     if argmax:
         out_shape = (jax.ShapeDtypeStruct((mp, g), jnp.float32), jax.ShapeDtypeStruct((mp, g), jnp.int32))
@@ -220,13 +234,14 @@ def w4a8_matmul_triton(x, words, scale, *, block_n=None, words_per_step=None, nu
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def w4a8_argmax_partials_triton(x, words, scale, *, interpret=False):
+def w4a8_argmax_partials_triton(x, words, scale, *, quantized=None, interpret=False):
     """The argmax kernel's per-program results before the last reduction: ``(vals, idx)`` float32 / int32
     ``[Mp, G]``, each program's largest value per row and the first column holding it (rows from m on unused).
     :func:`argmax_from_partials` finishes it; :mod:`jaxmtp.pallas.norms.draft_input_triton` finishes it inside the
-    next draft pass's input kernel instead."""
+    next draft pass's input kernel instead. ``quantized``: x's ``(xlo, xhi, row_scale, row_sum)`` as
+    :func:`quantize_rows_triton` returns them, formed already (then x only gives the shapes)."""
     return _launch(x, words, scale, block_n=None, words_per_step=None, num_warps=None, num_stages=None, argmax=True,
-                   interpret=interpret)
+                   interpret=interpret, quantized=quantized)
 
 
 def argmax_from_partials(vals, idx):

@@ -10,11 +10,13 @@ the GPU measurements).
 
 from __future__ import annotations
 
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, dense
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, dense
 from jaxmtp.layers.norms import rms_norm as rms_norm_reference
-from jaxmtp.pallas.norms.add_rms_norm_triton import add_rms_norm_triton, rms_norm_triton, supports
-from jaxmtp.pallas.norms.draft_input_triton import draft_input_triton
-from jaxmtp.pallas.norms.reference import add_rms_norm_reference, draft_input_reference
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.pallas.norms.add_rms_norm_triton import (add_rms_norm_quantized_triton, add_rms_norm_triton,
+                                                     rms_norm_triton, supports)
+from jaxmtp.pallas.norms.draft_input_triton import draft_input_triton, fc_input_triton
+from jaxmtp.pallas.norms.reference import add_rms_norm_reference, draft_input_reference, fc_input_reference
 
 
 def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
@@ -23,6 +25,17 @@ def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
     if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
         return add_rms_norm_triton(x, y, weight, eps, interpret=implementation == TRITON_INTERPRET)
     return add_rms_norm_reference(x, dense(y), weight, eps)
+
+
+def add_rms_norm_quantized(x, y, weight, eps: float, *, implementation: str = "xla"):
+    """:func:`add_rms_norm` and, where the kernel runs (a kernel name, y dense, H a multiple of 128), h's rows
+    quantised for the int4 draft head in the same launch: ``(s, h, (xlo, xhi, row_scale, row_sum))``
+    (:func:`.add_rms_norm_triton.add_rms_norm_quantized_triton`), else ``(s, h, None)`` and the head quantises
+    them itself."""
+    if (implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1])
+            and x.shape[-1] % INT4_BLOCK == 0 and not isinstance(y, SplitSum)):
+        return add_rms_norm_quantized_triton(x, y, weight, eps, interpret=implementation == TRITON_INTERPRET)
+    return (*add_rms_norm(x, y, weight, eps, implementation=implementation), None)
 
 
 def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):
@@ -42,5 +55,18 @@ def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementatio
     return draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input", "draft_input_reference",
-           "draft_input_triton", "rms_norm", "rms_norm_reference", "rms_norm_triton", "supports"]
+def fc_input(ids, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla"):
+    """The MTP fc input for known ids [...] and hidden [..., H]: ``concat[rms_norm(embed[ids]), rms_norm(hidden)]``
+    [..., 2H] (:func:`fc_input_reference`); one kernel on ``"triton"`` / ``"triton_interpret"``
+    (:func:`.draft_input_triton.fc_input_triton`) where the row length allows."""
+    hdim = hidden.shape[-1]
+    if implementation in (TRITON, TRITON_INTERPRET) and supports(hdim) and ids.size > 0:
+        x = fc_input_triton(ids.reshape(-1), embed, hidden.reshape(-1, hdim), w_e, w_h, eps,
+                            interpret=implementation == TRITON_INTERPRET)
+        return x.reshape(*ids.shape, 2 * hdim)
+    return fc_input_reference(ids, embed, hidden, w_e, w_h, eps)
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_quantized", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input", "draft_input_reference",
+           "draft_input_triton", "fc_input", "fc_input_reference", "fc_input_triton", "rms_norm", "rms_norm_reference",
+           "rms_norm_triton", "supports"]

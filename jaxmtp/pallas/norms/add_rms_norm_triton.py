@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import SplitSum
+from jaxmtp.pallas._common import SplitSum, next_pow2
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.pallas.matmul.w4a8_triton import WORDS_PER_BLOCK, _chunk_blocks, quantize_parts
 
 MAX_CHUNK = 4096
 MIN_CHUNK = 16
@@ -36,11 +38,16 @@ def supports(h: int) -> bool:
     return h > 0 and chunk_size(h) >= MIN_CHUNK and h // chunk_size(h) <= MAX_CHUNKS
 
 
-def _kernel(*refs, chunk, eps, splits=0):
+def _kernel(*refs, chunk, eps, splits=0, quantize=False, interpret=False):
     """refs: ``x, y, w, s, h`` (add and norm) or ``x, w, h`` (norm only). ``splits`` > 0: y's ref holds that many
     float32 partial sums of the row ``[S, H]``, added here in split order and rounded to x's dtype (a
-    :class:`jaxmtp.pallas._common.SplitSum`)."""
-    if len(refs) == 3:
+    :class:`jaxmtp.pallas._common.SplitSum`). ``quantize``: refs ``x, y, w, x5, y5, w5, s, h, xlo, xhi, rs, rsum``,
+    and h's row is also quantised to int8 for the int4 draft head (:func:`_quantize_row`)."""
+    q_refs = None
+    if quantize:
+        x_ref, y_ref, w_ref, *q_in, s_ref, h_ref = refs[:8]
+        q_refs = (*q_in, *refs[8:])
+    elif len(refs) == 3:
         x_ref, w_ref, h_ref = refs
         y_ref = s_ref = None
     else:
@@ -71,6 +78,32 @@ def _kernel(*refs, chunk, eps, splits=0):
         if s_ref is not None:
             s_ref[sl] = s
         h_ref[sl] = (s.astype(jnp.float32) * inv * (1.0 + w.astype(jnp.float32))).astype(h_ref.dtype)
+    if q_refs is not None:
+        _quantize_row(*q_refs, inv=inv, dtype=h_ref.dtype, interpret=interpret)
+
+
+def _quantize_row(x5_ref, y5_ref, w5_ref, xlo_ref, xhi_ref, rs_ref, rsum_ref, *, inv, dtype, interpret):
+    """The row's h as :func:`jaxmtp.pallas.matmul.w4a8_triton.quantize_rows_triton` quantises it: the same h (the
+    same rounded sum, norm and rounding to ``dtype``), recomputed from x, y and w read again in the packing's
+    ``[K/128, 2, 16, 4]`` arrangement (registers cannot be regrouped), then int8 words, scale and sum."""
+    f32 = jnp.float32
+    nb = x5_ref.shape[0]
+    c = _chunk_blocks(nb)
+
+    def h_part(b, half):
+        blk = (pl.ds(b, c), half)
+        s = (x5_ref[blk].astype(f32) + y5_ref[blk].astype(f32)).astype(dtype).astype(f32)
+        return (s * inv * (1.0 + w5_ref[blk].astype(f32))).astype(dtype).astype(f32)
+
+    scale, rsum, words = quantize_parts([[h_part(b, half) for half in (0, 1)] for b in range(0, nb, c)],
+                                        interpret=interpret)
+    width = c * WORDS_PER_BLOCK
+    for i, pair in enumerate(words):
+        xlo_ref[pl.ds(i * width, width)] = pair[0]
+        xhi_ref[pl.ds(i * width, width)] = pair[1]
+    r = pl.program_id(0)
+    rs_ref[pl.ds(r, 1)] = jnp.full((1,), scale, f32)
+    rsum_ref[pl.ds(r, 1)] = jnp.full((1,), rsum, jnp.int32)
 
 
 def _launch(rows_in, weight, eps, num_warps, interpret, name):
@@ -118,3 +151,35 @@ def rms_norm_triton(x, weight, eps, *, num_warps=None, interpret=False):
         raise ValueError(f"unsupported row length H={hdim} or weight {weight.shape}")
     [h] = _launch([x.reshape(-1, hdim)], weight, eps, num_warps, interpret, "rms_norm")
     return h.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm_quantized_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
+    """:func:`add_rms_norm_triton` (y dense) that also returns h's rows quantised for the int4 draft head, as
+    :func:`jaxmtp.pallas.matmul.w4a8_triton.quantize_rows_triton` gives them from h: ``(s, h, (xlo, xhi, row_scale,
+    row_sum))`` with xlo / xhi int32 ``[R, H/8]`` and the scale and sum ``[Rp]`` (Rp = next power of two >= R; the
+    entries from R on are not written). The draft passes' final norm: one launch fewer before each head read."""
+    hdim = x.shape[-1]
+    if not supports(hdim) or hdim % INT4_BLOCK or y.shape != x.shape or weight.shape != (hdim,):
+        raise ValueError(f"unsupported quantised add + norm: x {x.shape}, y {y.shape}, weight {weight.shape}")
+    r, nb = x.size // hdim, hdim // INT4_BLOCK
+    rp = next_pow2(r)
+    x2, y2 = x.reshape(r, hdim), y.reshape(r, hdim).astype(x.dtype)
+    five = lambda a: a.reshape(*a.shape[:-1], nb, 2, WORDS_PER_BLOCK, 4)  # noqa: E731  (a view: free)
+    row = pl.BlockSpec((None, hdim), lambda i: (i, 0))
+    row5 = pl.BlockSpec((None, nb, 2, WORDS_PER_BLOCK, 4), lambda i: (i, 0, 0, 0, 0))
+    words = pl.BlockSpec((None, hdim // 8), lambda i: (i, 0))
+    vec = pl.BlockSpec((rp,), lambda i: (0,))  # each program writes its row's entry
+    s, h, xlo, xhi, rs, rsum = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk_size(hdim), eps=float(eps), quantize=True, interpret=bool(interpret)),
+        out_shape=[jax.ShapeDtypeStruct((r, hdim), x.dtype)] * 2 + [jax.ShapeDtypeStruct((r, hdim // 8), jnp.int32)] * 2
+        + [jax.ShapeDtypeStruct((rp,), jnp.float32), jax.ShapeDtypeStruct((rp,), jnp.int32)],
+        grid=(r,),
+        in_specs=[row, row, pl.BlockSpec((hdim,), lambda i: (0,)), row5, row5,
+                  pl.BlockSpec((nb, 2, WORDS_PER_BLOCK, 4), lambda i: (0, 0, 0, 0))],
+        out_specs=[row, row, words, words, vec, vec],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
+        interpret=interpret,
+        name="add_rms_norm_quantized",
+    )(x2, y2, weight, five(x2), five(y2), five(weight))
+    return s.reshape(x.shape), h.reshape(x.shape), (xlo, xhi, rs, rsum)

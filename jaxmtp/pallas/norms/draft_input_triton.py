@@ -8,7 +8,9 @@ head chose and that pass's hidden h. With the int4 head's argmax kernel
 E[d], the norm of h, the concatenation). Here one program per row does it all: the argmax over G in power-of-two
 windows (the last one ending at G, overlapping the one before: ties still go to the first column, as
 ``jnp.argmax``), the row of E at d, the two norms in float32 (:func:`jaxmtp.layers.norms.rms_norm`), and writes d and
-the ``[2H]`` row.
+the ``[2H]`` row. :func:`fc_input_triton` is the same input for ids already known (the window's draft pass, whose
+next tokens are the verify's choices): the embedding rows, the norms and the concatenation in one kernel where XLA
+ran two.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ def _norm_row(load, w_ref, hdim, chunk, eps):
     return [x * inv * (1.0 + w_ref[sl].astype(jnp.float32)) for x, sl in zip(xs, sls)]
 
 
+def _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps):
+    """Row b of the fc input: ``concat[rms_norm(E[tok]), rms_norm(h[b])]``, each rounded to the output dtype."""
+    chunk = chunk_size(hdim)
+    e = _norm_row(lambda sl: emb_ref[tok, sl], we_ref, hdim, chunk, eps)
+    h = _norm_row(lambda sl: h_ref[b, sl].astype(out_ref.dtype), wh_ref, hdim, chunk, eps)
+    for j, part in enumerate(e + h):
+        out_ref[b, pl.ds(j * chunk, chunk)] = part.astype(out_ref.dtype)
+
+
 def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, ids_ref, out_ref, *, g, hdim, eps):
     b = pl.program_id(0)
     best, pos, w = None, None, window(g)
@@ -64,11 +75,14 @@ def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, ids_ref, out_ref,
             best = jnp.maximum(best, mx)
     tok = idx_ref[b, pl.ds(pos, 1)][0]
     ids_ref[pl.ds(b, 1)] = jnp.full((1,), tok, jnp.int32)
-    chunk = chunk_size(hdim)
-    e = _norm_row(lambda sl: emb_ref[tok, sl], we_ref, hdim, chunk, eps)
-    h = _norm_row(lambda sl: h_ref[b, sl].astype(out_ref.dtype), wh_ref, hdim, chunk, eps)
-    for j, part in enumerate(e + h):
-        out_ref[b, pl.ds(j * chunk, chunk)] = part.astype(out_ref.dtype)
+    _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
+
+
+def _ids_kernel(ids_ref, emb_ref, h_ref, we_ref, wh_ref, out_ref, *, hdim, eps):
+    b, v = pl.program_id(0), emb_ref.shape[0]
+    tok = ids_ref[pl.ds(b, 1)][0]
+    tok = jnp.clip(jnp.where(tok < 0, tok + v, tok), 0, v - 1)  # as XLA's gather indexes (padding rows' ids)
+    _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -92,3 +106,24 @@ def draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, *, interpret=Fal
         interpret=interpret,
         name="draft_input",
     )(vals, idx, embed, hidden, w_e, w_h)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def fc_input_triton(ids, embed, hidden, w_e, w_h, eps, *, interpret=False):
+    """ids ``[R]`` int32 (negative ids wrap and others clamp, as ``embed[ids]`` indexes); embed ``[V, H]``; hidden ``[R, H]``; w_e / w_h ``[H]`` float32 offsets.
+    Returns ``concat[rms_norm(embed[ids], w_e), rms_norm(hidden, w_h)]`` ``[R, 2H]`` in embed's dtype, as
+    :func:`jaxmtp.pallas.norms.reference.fc_input_reference`: one program per row."""
+    r, hdim = hidden.shape
+    if not supports(hdim) or embed.shape[1] != hdim or ids.shape != (r,):
+        raise ValueError(f"unsupported fc input: ids {ids.shape}, embed {embed.shape}, hidden {hidden.shape}")
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731  (rows indexed in the kernel)
+    return pl.pallas_call(
+        functools.partial(_ids_kernel, hdim=hdim, eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((r, 2 * hdim), embed.dtype),
+        grid=(r,),
+        in_specs=[full(a.shape) for a in (ids, embed, hidden, w_e, w_h)],
+        out_specs=full((r, 2 * hdim)),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="fc_input",
+    )(ids.astype(jnp.int32), embed, hidden, w_e, w_h)

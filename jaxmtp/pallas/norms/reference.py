@@ -17,6 +17,15 @@ def add_rms_norm_reference(x: jax.Array, y: jax.Array, weight: jax.Array, eps: f
     return s, rms_norm(s, weight, eps)
 
 
+def fc_input_reference(ids: jax.Array, embed: jax.Array, hidden: jax.Array, w_e: jax.Array, w_h: jax.Array,
+                       eps: float) -> jax.Array:
+    """The MTP fc input ``concat[rms_norm(embed[ids], w_e), rms_norm(hidden, w_h)]`` [..., 2H] in embed's dtype, for
+    ids [...] and hidden [..., H]."""
+    e = rms_norm(embed[ids], w_e, eps)
+    h = rms_norm(hidden.astype(e.dtype), w_h, eps)
+    return jnp.concatenate([e, h], axis=-1)
+
+
 def draft_input_reference(vals: jax.Array, idx: jax.Array, embed: jax.Array, hidden: jax.Array, w_e: jax.Array,
                           w_h: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """A recursive draft pass's input: the draft ``d`` = the argmax kernel's ``(vals, idx)`` [>= B, G] finished
@@ -24,6 +33,4 @@ def draft_input_reference(vals: jax.Array, idx: jax.Array, embed: jax.Array, hid
     (hidden [B, H]). Returns (d [B] int32, x)."""
     b = hidden.shape[0]
     d = argmax_from_partials(vals[:b], idx[:b]).astype(jnp.int32)
-    e = rms_norm(embed[d], w_e, eps)
-    h = rms_norm(hidden.astype(e.dtype), w_h, eps)
-    return d, jnp.concatenate([e, h], axis=-1)
+    return d, fc_input_reference(d, embed, hidden, w_e, w_h, eps)
