@@ -200,7 +200,7 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized", "linear", "matmul_reference",
-           "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
+__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized", "linear",
+           "matmul_reference", "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
            "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton",
            "w4a8_matmul_reference", "w4a8_matmul_triton"]

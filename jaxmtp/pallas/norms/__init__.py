@@ -67,6 +67,6 @@ def fc_input(ids, embed, hidden, w_e, w_h, eps: float, *, implementation: str = 
     return fc_input_reference(ids, embed, hidden, w_e, w_h, eps)
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_quantized", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input", "draft_input_reference",
-           "draft_input_triton", "fc_input", "fc_input_reference", "fc_input_triton", "rms_norm", "rms_norm_reference",
-           "rms_norm_triton", "supports"]
+__all__ = ["add_rms_norm", "add_rms_norm_quantized", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input",
+           "draft_input_reference", "draft_input_triton", "fc_input", "fc_input_reference", "fc_input_triton",
+           "rms_norm", "rms_norm_reference", "rms_norm_triton", "supports"]

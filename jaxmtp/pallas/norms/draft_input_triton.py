@@ -110,7 +110,8 @@ def draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, *, interpret=Fal
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def fc_input_triton(ids, embed, hidden, w_e, w_h, eps, *, interpret=False):
-    """ids ``[R]`` int32 (negative ids wrap and others clamp, as ``embed[ids]`` indexes); embed ``[V, H]``; hidden ``[R, H]``; w_e / w_h ``[H]`` float32 offsets.
+    """ids ``[R]`` int32 (negative ids wrap and others clamp, as ``embed[ids]`` indexes); embed ``[V, H]``; hidden
+    ``[R, H]``; w_e / w_h ``[H]`` float32 offsets.
     Returns ``concat[rms_norm(embed[ids], w_e), rms_norm(hidden, w_h)]`` ``[R, 2H]`` in embed's dtype, as
     :func:`jaxmtp.pallas.norms.reference.fc_input_reference`: one program per row."""
     r, hdim = hidden.shape
