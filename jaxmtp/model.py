@@ -246,8 +246,8 @@ def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA, quan
     argmax kernel runs over the whole vocabulary, ``(None, (vals, idx))``: its per-program partials, which the next
     draft pass's input kernel finishes (:func:`draft_pass_input`) or :func:`chosen_ids` does. ``quantized``: the
     rows' int8 form, made by the norm kernel that formed hidden (:func:`mtp_forward` with ``logits="choice"``)."""
-    dh = params.get("draft_head")
-    if dh is not None and "scale" in dh and "ids" not in dh:
+    dh = _full_vocab_quantized_head(params)
+    if dh is not None:
         partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head,
                                              quantized=quantized)
         if partials is not None:
@@ -255,12 +255,18 @@ def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA, quan
     return draft_ids(params, hidden, backend), None
 
 
+def _full_vocab_quantized_head(params: Params):
+    """The serving layout's draft head when it is quantised and covers the whole vocabulary (the argmax kernel's
+    case), else None."""
+    dh = params.get("draft_head")
+    return dh if dh is not None and "scale" in dh and "ids" not in dh else None
+
+
 def _head_takes_quantized_rows(params: Params, rows: int, hdim: int, backend: Backend) -> bool:
     """Whether the draft head runs the int4 argmax kernel on ``rows`` rows, so that the final norm kernel may hand it
     the rows quantised (:func:`jaxmtp.pallas.norms.add_rms_norm_quantized`)."""
-    dh = params.get("draft_head")
-    return (dh is not None and "scale" in dh and "ids" not in dh
-            and argmax_partials_apply(rows, hdim, dh["weight"], backend.draft_head))
+    dh = _full_vocab_quantized_head(params)
+    return dh is not None and argmax_partials_apply(rows, hdim, dh["weight"], backend.draft_head)
 
 
 def chosen_ids(choice: tuple) -> jax.Array:
@@ -387,16 +393,15 @@ def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry
     z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
                               backend=layer_backend, out_rows=out_rows)
     new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
-    if logits == "choice":
-        if z.shape[1] != 1:
-            raise ValueError(f"logits='choice' drafts from one row per window, not {z.shape[1]} (give out_rows)")
-        quantized = None
-        if _head_takes_quantized_rows(params, z.shape[0], z.shape[-1], backend):
-            _, hm, quantized = add_rms_norm_quantized(z, mlp, mp["norm"], eps, implementation=backend.norm)
-        else:
-            _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
+    choice = logits == "choice"
+    if choice and z.shape[1] != 1:
+        raise ValueError(f"logits='choice' drafts from one row per window, not {z.shape[1]} (give out_rows)")
+    if choice and _head_takes_quantized_rows(params, z.shape[0], z.shape[-1], backend):
+        _, hm, quantized = add_rms_norm_quantized(z, mlp, mp["norm"], eps, implementation=backend.norm)
+    else:
+        (_, hm), quantized = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm), None
+    if choice:
         return draft_choice(params, hm[:, 0], backend, quantized), hm, new_carry
-    _, hm = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm)
     logits = select_logits(params, hm, take_rows(positions, out_rows), logits,
                            head=lambda h: draft_head(params, h, backend))
     return logits, hm, new_carry

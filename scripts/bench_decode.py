@@ -321,6 +321,18 @@ def variant_model(model, spec: str):
     return dataclasses.replace(m, params=params)
 
 
+def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[float]]:
+    """Step times (ms) of each engine, timed in alternation: ``rounds`` rounds, each timing every engine's ``syncs``
+    device loops (their median per step). ``params``: one params tree for all, or one per engine."""
+    params = params if isinstance(params, list) else [params] * len(engines)
+    times: list[list[float]] = [[] for _ in engines]
+    for _ in range(rounds):
+        for i, (eng, p) in enumerate(zip(engines, params)):
+            ts = [dt for dt, _ in timed_loops(eng, p, syncs)]
+            times[i].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
+    return times
+
+
 def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
              steps_per_sync: int, bw: float) -> dict:
     """The same step under several backend overrides (``variants``, "" = the model's backend), in one process on the
@@ -336,11 +348,7 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
         with variant_constants(spec):
             timed_loops(eng, m.params, 1)  # compile
         engines.append((m, eng))
-    times: list[list[float]] = [[] for _ in variants]
-    for _ in range(rounds):
-        for i, (m, eng) in enumerate(engines):
-            ts = [dt for dt, _ in timed_loops(eng, m.params, syncs)]
-            times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
+    times = alternating_step_ms([eng for _, eng in engines], [m.params for m, _ in engines], rounds, syncs)
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
                       mtp_stored=mtp_bytes(model.params))
     roofline_ms = need["total"] / bw * 1e3
@@ -362,11 +370,7 @@ def bench_ratio(model, batch: int, k: int, context: int, rounds: int, syncs: int
     engines = [synthetic_engine(model, batch, kk, context, room, steps_per_sync) for kk in (0, k)]
     for eng in engines:
         timed_loops(eng, model.params, 1)  # compile and warm
-    times: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for i, eng in enumerate(engines):
-            ts = [dt for dt, _ in timed_loops(eng, model.params, syncs)]
-            times[i].append(float(np.median(ts)) / steps_per_sync * 1e3)
+    times = alternating_step_ms(engines, model.params, rounds, syncs)
     ratios = [b / a for a, b in zip(*times)]
     del engines
     return {"batch": batch, "k": k, "plain_round_ms": times[0], "k_round_ms": times[1], "round_ratios": ratios,

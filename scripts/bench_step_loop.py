@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import random_model, synthetic_engine, timed_loops  # noqa: E402
+from bench_decode import alternating_step_ms, random_model, synthetic_engine, timed_loops  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import device  # noqa: E402
 
@@ -83,11 +83,7 @@ def main(argv=None) -> int:
                 eng.device_loop = lambda *_, f=loop_variant(eng, model, variant): f  # noqa: E731
                 timed_loops(eng, model.params, 1)  # compile
                 runs.append(eng)
-            times = [[] for _ in variants]
-            for _ in range(args.rounds):
-                for i, eng in enumerate(runs):
-                    ts = [dt for dt, _ in timed_loops(eng, model.params, args.syncs)]
-                    times[i].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
+            times = alternating_step_ms(runs, model.params, args.rounds, args.syncs)
             for variant, ts in zip(variants, times):
                 r = {"model": name, "variant": variant, "batch": b, "k": k, "round_step_ms": ts,
                      "step_ms": float(np.median(ts))}
