@@ -33,8 +33,9 @@ from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.norms import rms_norm
 from jaxmtp.layers.rope import rope_angles
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.matmul import (argmax_from_partials, argmax_partials_apply, linear, quantized_argmax,
-                                  quantized_argmax_partials, quantized_linear)
+from jaxmtp.pallas._common import NormedRows
+from jaxmtp.pallas.matmul import (argmax_from_partials, argmax_partials_apply, layer_gemv_fuses, linear,
+                                  quantized_argmax, quantized_argmax_partials, quantized_linear)
 from jaxmtp.param_layout import has_quantized_mtp
 from jaxmtp.pallas.norms import (add_rms_norm, add_rms_norm_quantized, draft_input as norm_draft_input, fc_input,
                                  rms_norm as norm_kernel)
@@ -179,13 +180,21 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     output only at that row of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row.
     ``mlp`` may be a :class:`jaxmtp.pallas._common.SplitSum` (down_proj's split-K partials): the caller's
     :func:`add_rms_norm` adds it."""
-    if h is None:
+    fuse_in, fuse_post = _fused_norms(lp, layer_type, moe, x, h, out_rows, backend)
+    if fuse_in:  # the qkv product normalises its rows itself
+        h = NormedRows(x, lp["input_layernorm"], cfg.rms_norm_eps, backend.norm)
+    elif h is None:
         h = norm_kernel(x, lp["input_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
     if layer_type == FULL:
         y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
                                    implementation=backend.attention, matmul=backend.matmul,
                                    prelude=backend.attention_prelude, out_matmul=backend.out_matmul,
-                                   out_rows=out_rows, partials=True)
+                                   out_rows=out_rows, partials=True,
+                                   residual=take_rows(x, out_rows) if fuse_post else None)
+        if fuse_post:  # o_proj added the residual; the gate|up product forms the norm
+            mlp = dense_mlp(lp["mlp"], NormedRows(y, lp["post_attention_layernorm"], cfg.rms_norm_eps, backend.norm),
+                            backend.matmul, backend.out_matmul, partials=True)
+            return y, mlp, carry
     else:
         impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
         y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
@@ -198,6 +207,21 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
                    out_matmul=backend.out_matmul) if moe
            else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul, partials=True))
     return x, mlp, carry
+
+
+def _fused_norms(lp, layer_type: str, moe: bool, x, h, out_rows, backend: Backend) -> tuple[bool, bool]:
+    """Where a layer's norms run inside its one-row int8 products (:func:`jaxmtp.pallas.matmul.layer_gemv_fuses`:
+    the quantised MTP layer's recursive passes, and the window pass after its attention): ``(input norm inside the
+    qkv product, residual add inside o_proj and the post-attention norm inside the gate|up product)``."""
+    if layer_type != FULL or moe:
+        return False, False
+    att, mlp, impl = lp["self_attn"], lp["mlp"], backend.matmul
+    rows_in = x.shape[0] * x.shape[1]
+    rows_out = x.shape[0] if out_rows is not None else rows_in
+    fuse_in = h is None and "qkv_proj" in att and layer_gemv_fuses(rows_in, att["qkv_proj"], impl)
+    fuse_post = ("o_proj" in att and "gate_up_proj" in mlp and layer_gemv_fuses(rows_out, att["o_proj"], impl)
+                 and layer_gemv_fuses(rows_out, mlp["gate_up_proj"], impl))
+    return fuse_in, fuse_post
 
 
 def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array:

@@ -23,6 +23,7 @@ from jaxmtp.pallas.matmul import (gemv_matmul_triton, linear, matmul_reference, 
 from jaxmtp.pallas.matmul.reference import as_words, quantize_rows_int8, unpack_int4, w4a8_matmul_reference
 from jaxmtp.pallas.matmul.skinny_triton import plan
 from jaxmtp.pallas.matmul.w4a8_triton import dp4a, quantize_rows_triton, w4a8_argmax_triton, w4a8_matmul_triton
+from jaxmtp.pallas.norms import rms_norm_triton
 
 from test_pallas_model import small_config
 
@@ -358,3 +359,29 @@ def test_int8_layer_products_route_to_the_gemv_kernel(rng, monkeypatch):
         want = quantized_matmul_reference(swiglu_reference(g, k), q, w["scale"])
         np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64), rtol=2 ** -7,
                                    atol=1e-3)
+
+
+@pytest.mark.parametrize("m,k", [(1, 384), (3, 256)])
+def test_int8_gemv_forms_the_norm_and_adds_the_residual(rng, m, k):
+    """The int8 layer kernel with the input norm (every program normalises the whole row) and the residual add
+    inside: bit for bit the norm kernel followed by the plain product and the bf16 add, and within bf16 rounding of
+    float64."""
+    n, eps = 48, 1e-6
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+    nw = jnp.asarray(0.3 * rng.standard_normal(k), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    res = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    kw = dict(transpose_w=True, out_dtype=jnp.bfloat16, block_n=8, interpret=True)
+    got = gemv_matmul_triton(x, q, scale, norm_weight=nw, norm_eps=eps, residual=res, **kw)
+    h = rms_norm_triton(x, nw, eps, interpret=True)
+    want = res + gemv_matmul_triton(h, q, scale, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    x64 = np.asarray(x, np.float64)
+    h64 = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * (1 + np.asarray(nw, np.float64))
+    ref = np.asarray(res, np.float64) + h64 @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=2 ** -6, atol=2e-2 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x, q, scale, norm_weight=nw[:128], norm_eps=eps, **kw)
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x, q, scale, residual=res[:, :8], **kw)

@@ -367,3 +367,47 @@ def test_int8_mtp_layer_tracks_the_exact_layer(rng, moe):
     assert not has_quantized_mtp(serving_layout(_copy(native), backend=backend, draft_head=False))  # exact drafts
     again = quantize_mtp(_copy(exact))
     assert has_quantized_mtp(again)
+
+
+def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
+    """The quantised MTP layer on the kernel backend (Pallas interpreter): in a recursive pass (one row) the qkv
+    product forms the input norm, o_proj adds the residual and gate|up forms the post-attention norm, and down_proj
+    the SwiGLU; in a window's pass (three rows, drafting from one) the last three. The hidden, the drafted choice and
+    the carry equal those with the norms as launches of their own (FUSE_LAYER_NORMS off) bit for bit, and match the
+    XLA path on the same int8 weights."""
+    cfg = _config(False).replace(hidden_size=128, vocab_size=4000, intermediate_size=128)
+    ti = "triton_interpret"
+    be = Backend(draft_head=ti, norm=ti, mtp_matmul=ti, attention=ti, attention_prelude=ti)
+    params = serving_layout(init_params(cfg, jax.random.key(9), jnp.float32, scale=0.1), backend=be,
+                            draft_head_bits=4)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim == 2 else a, params)
+    assert has_quantized_mtp(params)
+    calls = []
+    real = matmul_mod.gemv_matmul_triton
+    monkeypatch.setattr(matmul_mod, "gemv_matmul_triton", lambda *a, **kw: calls.append(
+        tuple(name for name in ("norm_weight", "residual", "swiglu") if kw.get(name) is not None
+              and kw.get(name) is not False)) or real(*a, **kw))
+    b, t = 1, 3
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.bfloat16)
+    pos = jnp.asarray([[5, 6, 7]], jnp.int32)
+    carry = init_mtp_carry(cfg, b, 16, jnp.bfloat16)
+    carry = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), carry)  # a filled cache
+    for sl, rows, want_calls in ((slice(0, 1), None, [(), ("norm_weight",), ("residual",), ("norm_weight",),
+                                                      ("swiglu",)]),
+                                 (slice(0, t), jnp.asarray([1], jnp.int32), [("residual",), ("norm_weight",),
+                                                                             ("swiglu",)])):
+        kw = dict(cfg=cfg, out_rows=rows, logits="choice")
+        outs = {}
+        for fuse in (True, False):
+            monkeypatch.setattr(matmul_mod, "FUSE_LAYER_NORMS", fuse)
+            calls.clear()
+            outs[fuse] = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, backend=be, **kw)
+            if fuse:
+                assert calls == want_calls, calls
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), outs[True],
+                     outs[False])
+        _, hm_xla, _ = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, cfg=cfg, out_rows=rows,
+                                   logits="none")
+        np.testing.assert_allclose(np.asarray(outs[True][1], np.float64), np.asarray(hm_xla, np.float64),
+                                   atol=5e-2, rtol=0)

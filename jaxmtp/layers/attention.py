@@ -16,7 +16,7 @@ from jaxmtp.layers.projections import output_product, project
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.attention import cached_attention, fused_gated_attention, output_gate_reference, prelude_reference
 from jaxmtp.layers.rope import rope_inv_freq
-from jaxmtp.pallas.matmul import linear
+from jaxmtp.pallas.matmul import linear, output_linear
 
 
 @struct.dataclass
@@ -41,7 +41,7 @@ def take_rows(a: jax.Array, rows: jax.Array | None) -> jax.Array:
 
 
 def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None, partials=False):
+                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None, partials=False, residual=None):
     """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
     ``out_rows`` [B] int32: the output only at that row of each window ([B, 1, H]; o_proj runs on it alone) while
     every row's keys and values still enter the cache. ``partials``: the output may be a
@@ -49,9 +49,17 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
     ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
     projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
     serving layout only, else unused), ``out_matmul`` o_proj's when it is stored transposed
-    (:func:`jaxmtp.layers.projections.output_product`)."""
+    (:func:`jaxmtp.layers.projections.output_product`). ``residual`` [B, T or 1, H] (a quantised o_proj only,
+    :func:`jaxmtp.pallas.matmul.layer_gemv_fuses`): returns ``residual + attention`` (the block's residual add inside
+    o_proj's kernel). x may be a :class:`jaxmtp.pallas._common.NormedRows` (the layer's input norm, formed by the
+    qkv product)."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    o_proj = lambda a: output_product(p, "o_proj", a, mm, out_matmul, partials)  # noqa: E731
+
+    def o_proj(a):
+        if residual is not None:
+            return output_linear(a, p["o_proj"], implementation=matmul, residual=residual)
+        return output_product(p, "o_proj", a, mm, out_matmul, partials)
+
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:

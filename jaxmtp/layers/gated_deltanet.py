@@ -33,9 +33,10 @@ from jaxmtp.layers.projections import output_product, project, split_fused
 from jaxmtp.pallas.matmul import linear
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
-    commit_layers,
+    commit_windows,
     fused_recurrent_gated_delta_rule,
     gdn_mixer,
+    ring_update,
     use_fused_mixer,
 )
 
@@ -62,7 +63,8 @@ class GDNCarry:
 @struct.dataclass
 class GDNSteps:
     """A verify window, kept until its accepted length is known: ``state [B, Hv, dk, dv]`` and ``ring [B, K, C]``
-    before the window; ``inputs [B, T, C]``, the window's raw conv inputs (carry dtype); the conv outputs
+    before the window; ``inputs [B, T, >= C]``, the window's raw conv inputs in its first C columns (the fused input
+    projection's output as it is, or the conv inputs alone); the conv outputs
     ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm); the gates
     ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens); ``start [B]``, the window's first position."""
 
@@ -83,20 +85,19 @@ def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla
 
 
 def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla") -> tuple:
-    """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). The
-    layers' windows are stacked so that a Triton ``implementation`` commits them all in one kernel launch."""
+    """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). A
+    Triton ``implementation`` commits every layer's state and conv ring in one kernel launch
+    (:func:`jaxmtp.pallas.gated_delta_rule.commit_windows`)."""
     at = [i for i, c in enumerate(carry) if isinstance(c, GDNSteps)]
     if not at:
         return tuple(carry)
     steps = [carry[i] for i in at]
-    t = steps[0].k.shape[1]
-    keep = (jnp.arange(t)[None] < n_tokens[:, None])[None, ..., None]
-    stack = lambda name: jnp.stack([getattr(s, name) for s in steps])  # noqa: E731
-    g, beta = jnp.where(keep, stack("g"), 0.0), jnp.where(keep, stack("beta"), 0.0)
-    states = commit_layers(stack("k"), stack("v"), g, beta, [s.state for s in steps], implementation)
+    each = lambda name: [getattr(s, name) for s in steps]  # noqa: E731
+    states, rings = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
+                                   each("ring"), each("inputs"), steps[0].start, implementation=implementation)
     out = list(carry)
-    for i, s, state in zip(at, steps, states):
-        out[i] = GDNCarry(ring_update(s.ring, s.inputs, s.start, n_tokens), state)
+    for i, state, ring in zip(at, states, rings):
+        out[i] = GDNCarry(ring, state)
     return tuple(out)
 
 
@@ -106,16 +107,6 @@ def window_from_ring(ring: jax.Array, start: jax.Array) -> jax.Array:
     k = ring.shape[1]
     slots = (start[:, None] + jnp.arange(1 - k, 0)[None]) % k
     return jnp.take_along_axis(ring, slots[:, :, None], axis=1)
-
-
-def ring_update(ring: jax.Array, inputs: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
-    """``ring [B, K, C]`` after writing ``inputs[b, i]`` (position start[b] + i) for i < n[b], in order of i: row j
-    takes the last such i with ``(start + i) % K == j`` and keeps its value if there is none."""
-    k, t = ring.shape[1], inputs.shape[1]
-    j = jnp.arange(k)[None]
-    last = n[:, None] - 1 - ((n[:, None] - 1 - (j - start[:, None])) % k)  # [B, K]; < 0: row j not written
-    src = jnp.take_along_axis(inputs, jnp.clip(last, 0, t - 1)[:, :, None], axis=1)
-    return jnp.where((last >= 0)[..., None], src.astype(ring.dtype), ring)
 
 
 def row_start(positions: jax.Array) -> jax.Array:
@@ -213,7 +204,7 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_st
                        replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
     y = out_proj(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv))
-    if step_states:
-        return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
+    if step_states:  # the whole projection: the commit kernel reads the conv inputs' columns itself
+        return y, GDNSteps(carry.state, carry.conv, proj, *out, start)
     state, ring = out
     return y, GDNCarry(ring, state)

@@ -7,11 +7,14 @@ A kernel that cannot take the shapes (Triton needs dk and dv powers of two >= 16
 over at most ``MAX_RECURRENT_TOKENS`` tokens) falls back to the reference.
 """
 
+import jax.numpy as jnp
+
 from jaxmtp.pallas._common import KERNELS, MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
 from jaxmtp.pallas.gated_delta_rule.reference import (
     l2norm,
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
+    ring_update,
 )
 
 MAX_RECURRENT_TOKENS = 16
@@ -83,18 +86,28 @@ def commit_gated_delta_rule(k, v, g, beta, state, implementation="xla"):
 COMMIT_ONE_LAUNCH_MAX_ROWS = 4
 
 
-def commit_layers(k, v, g, beta, states, implementation="xla"):
-    """:func:`commit_gated_delta_rule` for L layers of one shape at once: ``k [L, B, T, Hk, dk]``, ``v [L, B, T, Hv,
-    dv]``, ``g, beta [L, B, T, Hv]`` and ``states``, L float32 arrays ``[B, Hv, dk, dv]`` -> the L new states. The
-    Triton kernel commits every layer in one launch for up to ``COMMIT_ONE_LAUNCH_MAX_ROWS`` rows (where one launch
-    per layer is bound by the launches); other implementations, and more rows, commit layer by layer."""
-    if (implementation in (TRITON, TRITON_INTERPRET) and k.shape[1] <= COMMIT_ONE_LAUNCH_MAX_ROWS
-            and k.shape[2] <= MAX_RECURRENT_TOKENS and _triton_shapes_ok(k.shape[-1], v.shape[-1])):
-        from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_layers_triton
+def commit_windows(k, v, g, beta, states, n_tokens, rings=None, inputs=None, start=None, implementation="xla"):
+    """L layers' verify windows committed once the accepted lengths ``n_tokens [B]`` are known: per layer l the state
+    after the first n tokens of ``k[l] [B, T, Hk, dk]``, ``v[l] [B, T, Hv, dv]``, ``g[l], beta[l] [B, T, Hv]`` from
+    ``states[l]`` (float32 ``[B, Hv, dk, dv]``), and with ``rings`` each conv ring ``[B, K, C]`` after those tokens'
+    raw inputs (the first C columns of ``inputs[l] [B, T, >= C]``; the window starts at ``start [B]``). Arguments
+    are sequences of L arrays. Returns (L states, L rings or None). The Triton kernel does it all in one launch for
+    up to ``COMMIT_ONE_LAUNCH_MAX_ROWS`` rows (:func:`.recurrent_triton.commit_windows_triton`); otherwise the rule
+    runs layer by layer (:func:`commit_gated_delta_rule`) and the rings update with XLA
+    (:func:`.reference.ring_update`)."""
+    b, t = k[0].shape[:2]
+    if (implementation in (TRITON, TRITON_INTERPRET) and b <= COMMIT_ONE_LAUNCH_MAX_ROWS
+            and t <= MAX_RECURRENT_TOKENS and _triton_shapes_ok(k[0].shape[-1], v[0].shape[-1])):
+        from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_windows_triton
 
-        return commit_layers_triton(k, v, g, beta, states, num_warps=COMMIT_NUM_WARPS,
-                                    interpret=interpret_arg(implementation))
-    return [commit_gated_delta_rule(k[i], v[i], g[i], beta[i], s, implementation) for i, s in enumerate(states)]
+        return commit_windows_triton(k, v, g, beta, states, n_tokens, rings, inputs, start,
+                                     num_warps=COMMIT_NUM_WARPS, interpret=interpret_arg(implementation))
+    keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
+    new_states = [commit_gated_delta_rule(k_l, v_l, jnp.where(keep, g_l, 0.0), jnp.where(keep, b_l, 0.0), s,
+                                          implementation) for k_l, v_l, g_l, b_l, s in zip(k, v, g, beta, states)]
+    if rings is None:
+        return new_states, None
+    return new_states, [ring_update(ring, x[..., : ring.shape[-1]], start, n_tokens) for ring, x in zip(rings, inputs)]
 
 
 def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
@@ -135,7 +148,7 @@ def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, r
 
 __all__ = [
     "commit_gated_delta_rule",
-    "commit_layers",
+    "commit_windows",
     "chunk_gated_delta_rule",
     "gdn_mixer",
     "use_fused_mixer",
@@ -143,4 +156,5 @@ __all__ = [
     "l2norm",
     "naive_chunk_gated_delta_rule",
     "naive_recurrent_gated_delta_rule",
+    "ring_update",
 ]

@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, NormedRows
 from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize_rows_int8, quantized_matmul_reference,
                                             swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
@@ -50,6 +50,11 @@ DRAFT_ARGMAX_MAX_ROWS = 1
 # 13.2 / 18.0 / 14.1 us against 4.6 / 5.3 / 4.0 (H100, docs/performance.md run 15), so those stay with it.
 LAYER_GEMV_MAX_N = 65536
 LAYER_GEMV_MAX_ROWS = 1
+# Those one-row products also take the layer's norms and residual adds (:func:`layer_gemv_fuses`): the input
+# norm (a :class:`NormedRows` input) formed by every program from the whole row, the residual added after the
+# cast. In the k = 3 step each recursive draft pass then runs three launches fewer (the input norm, the
+# post-attention add + norm and the SwiGLU multiply) and the window's pass two (docs/performance.md, run 18).
+FUSE_LAYER_NORMS = True
 
 
 def is_quantized(w) -> bool:
@@ -58,9 +63,24 @@ def is_quantized(w) -> bool:
     return isinstance(w, dict) and "scale" in w
 
 
+def layer_gemv_fuses(rows: int, w, implementation: str) -> bool:
+    """Whether a product of ``rows`` rows with ``w`` runs the int8 MTP layer's multiply-add kernel and may take its
+    input norm (a :class:`NormedRows` x) and residual add inside it (``FUSE_LAYER_NORMS``)."""
+    return (FUSE_LAYER_NORMS and is_quantized(w) and w["weight"].dtype == jnp.int8
+            and _layer_gemv_shape(rows, w["weight"].shape[1], w["weight"], implementation))
+
+
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
-    """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``), or a quantised weight (:func:`is_quantized`, run by
-    :func:`quantized_linear`). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    """x: [..., K] (or a :class:`NormedRows`: rms_norm(x), normalised inside the product where
+    :func:`layer_gemv_fuses`, else formed first); w: [K, N] (or [N, K] with ``transpose_w``), or a quantised weight
+    (:func:`is_quantized`, run by :func:`quantized_linear`). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    if isinstance(x, NormedRows):
+        rows = math.prod(x.shape[:-1])
+        if layer_gemv_fuses(rows, w, implementation):
+            return gemv_matmul_triton(x.x, w["weight"], w["scale"], transpose_w=True, out_dtype=out_dtype or x.dtype,
+                                      norm_weight=x.weight, norm_eps=x.eps,
+                                      interpret=implementation == TRITON_INTERPRET)
+        x = x.formed()
     if is_quantized(w):
         return quantized_linear(x, w["weight"], w["scale"], out_dtype=out_dtype or x.dtype,
                                 implementation=implementation)
@@ -94,21 +114,27 @@ OUTPUT_SPLIT_MAX_ROWS = 4
 OUTPUT_SPLIT_MAX_SPLITS = 4
 
 
-def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", partials: bool = False):
+def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", partials: bool = False,
+                  residual=None):
     """``x @ w_t^T`` for a block's output product, the weight stored ``w_t [N, K]``; x [..., K], or with ``swiglu``
     the gate|up projection's output [..., >= 2K] whose ``silu(gate) * up``
     (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
     dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`, up to
     ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`, and with ``partials`` (the caller accepts a
     :class:`SplitSum`) up to ``OUTPUT_SPLIT_MAX_ROWS`` with it split along K, unsummed. A quantised ``w_t``
-    (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU."""
+    (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU; ``residual`` [..., N] (quantised
+    ``w_t`` only) returns ``residual + product`` instead, the add inside the kernel where
+    :func:`layer_gemv_fuses`."""
     if is_quantized(w_t):
         q, scale = w_t["weight"], w_t["scale"]
-        if _layer_gemv(x, q, implementation, swiglu):
+        if _layer_gemv(x, q, implementation, swiglu) and (residual is None or FUSE_LAYER_NORMS):
             return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=x.dtype, swiglu=swiglu,
-                                      interpret=implementation == TRITON_INTERPRET)
+                                      residual=residual, interpret=implementation == TRITON_INTERPRET)
         xin = swiglu_reference(x, q.shape[1]) if swiglu else x
-        return quantized_linear(xin, q, scale, out_dtype=x.dtype, implementation=implementation)
+        y = quantized_linear(xin, q, scale, out_dtype=x.dtype, implementation=implementation)
+        return y if residual is None else residual + y
+    if residual is not None:
+        raise ValueError("output_linear adds a residual for quantised weights only")
     kdim = w_t.shape[1]
     rows = math.prod(x.shape[:-1])
     if (implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_GEMV_MAX_ROWS
@@ -133,10 +159,14 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", 
 def _layer_gemv(x, q, implementation: str, swiglu: bool = False) -> bool:
     """Whether an int8 MTP-layer product (see ``LAYER_GEMV_MAX_N``) runs the multiply-add kernel, scale inside."""
     kdim = q.shape[1]
-    rows = math.prod(x.shape[:-1])
+    return (x.shape[-1] >= (2 * kdim if swiglu else kdim) and (swiglu or x.shape[-1] == kdim)
+            and _layer_gemv_shape(math.prod(x.shape[:-1]), kdim, q, implementation))
+
+
+def _layer_gemv_shape(rows: int, kdim: int, q, implementation: str) -> bool:
+    """:func:`_layer_gemv` for a product of ``rows`` rows with the input width K."""
     return (implementation in (TRITON, TRITON_INTERPRET) and q.dtype == jnp.int8 and q.shape[0] <= LAYER_GEMV_MAX_N
-            and rows <= LAYER_GEMV_MAX_ROWS and x.shape[-1] >= (2 * kdim if swiglu else kdim)
-            and (swiglu or x.shape[-1] == kdim) and gemv_supports(rows, kdim, q.shape[0], True, q.dtype))
+            and rows <= LAYER_GEMV_MAX_ROWS and gemv_supports(rows, kdim, q.shape[0], True, q.dtype))
 
 
 def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str = "xla"):
@@ -200,7 +230,8 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
     return jnp.argmax(quantized_linear(x, q, scale, implementation=implementation), axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized", "linear",
+__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized",
+           "layer_gemv_fuses", "linear",
            "matmul_reference", "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
            "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton",
            "w4a8_matmul_reference", "w4a8_matmul_triton"]

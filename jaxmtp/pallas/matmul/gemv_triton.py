@@ -84,10 +84,30 @@ def plan(k: int, n: int, transpose_w: bool, w_dtype, m: int = 1):
     return bn, 32, 1, 4, 4
 
 
-def _row(x_ref, r, off, bk, swiglu):
+def _row_inv_rms(x_ref, r, eps):
+    """``rsqrt(mean(x[r]^2) + eps)`` of row r, summed as the norm kernel sums it (power-of-two chunks added
+    elementwise, one reduction; :mod:`jaxmtp.pallas.norms.add_rms_norm_triton`), so that the normed row is that
+    kernel's to the bit."""
+    n = x_ref.shape[-1]
+    chunk = n & -n
+    while chunk > 4096:
+        chunk //= 2
+    sq = jnp.zeros((chunk,), jnp.float32)
+    for j in range(n // chunk):
+        v = x_ref[r, pl.ds(j * chunk, chunk)].astype(jnp.float32)
+        sq = sq + v * v
+    return lax.rsqrt(jnp.sum(sq) / n + eps)
+
+
+def _row(x_ref, r, off, bk, swiglu, norm=None):
     """Row r's inputs ``[off, off + bk)`` as float32; with ``swiglu`` (x = gate|up, each ``swiglu`` wide)
-    ``silu(gate) * up`` rounded to x's dtype."""
+    ``silu(gate) * up`` rounded to x's dtype; with ``norm = (inv_rms of each row, weight ref)`` the zero-centred
+    RMSNorm ``x * inv_rms * (1 + w)`` rounded to x's dtype (:func:`jaxmtp.layers.norms.rms_norm`)."""
     f32 = jnp.float32
+    if norm is not None:
+        invs, nw_ref = norm
+        xs = x_ref[r, pl.ds(off, bk)].astype(f32) * invs[r] * (1.0 + nw_ref[pl.ds(off, bk)].astype(f32))
+        return xs.astype(x_ref.dtype).astype(f32)
     if not swiglu:
         return x_ref[r, pl.ds(off, bk)].astype(f32)
     g = x_ref[r, pl.ds(off, bk)].astype(f32)
@@ -95,9 +115,16 @@ def _row(x_ref, r, off, bk, swiglu):
     return swiglu_tile(g, u, x_ref.dtype).astype(f32)
 
 
-def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, swiglu):
-    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, swiglu, scaled=False, norm_eps=None,
+            residual=False):
+    """refs: ``[scale], [norm weight], [residual], out`` (see :func:`gemv_matmul_triton`)."""
+    refs = list(refs)
+    scale_ref = refs.pop(0) if scaled else None
+    nw_ref = refs.pop(0) if norm_eps is not None else None
+    res_ref = refs.pop(0) if residual else None
+    [o_ref] = refs
     f32 = jnp.float32
+    norm = None if nw_ref is None else ([_row_inv_rms(x_ref, r, norm_eps) for r in range(m)], nw_ref)
     k0 = pl.program_id(1) * k_per_split
     bn = o_ref.shape[-1]
     if int4:
@@ -115,28 +142,36 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
         if transpose_w:
             w = w_ref[:, pl.ds(off, bk)]
             w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
-            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu)[None, :] for r, acc in enumerate(accs))
+            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, norm)[None, :] for r, acc in enumerate(accs))
         w = w_ref[pl.ds(off, bk), :].astype(f32)
-        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu)[:, None] for r, acc in enumerate(accs))
+        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, norm)[:, None] for r, acc in enumerate(accs))
 
     accs = lax.fori_loop(0, k_per_split // bk, body, tuple(jnp.zeros(shape, f32) for _ in range(m)))
     scale = None if scale_ref is None else scale_ref[...]
     for r, acc in enumerate(accs):
         total = jnp.sum(acc, axis=1 if transpose_w else 0)
-        o_ref[r, :] = (total if scale is None else total * scale).astype(o_ref.dtype)
+        out = (total if scale is None else total * scale).astype(o_ref.dtype)
+        if res_ref is not None:  # the residual add, as the model's own add rounds it
+            out = (res_ref[r, :].astype(f32) + out.astype(f32)).astype(o_ref.dtype)
+        o_ref[r, :] = out
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "unpack", "swiglu", "interpret"))
+                                             "num_warps", "num_stages", "unpack", "swiglu", "norm_eps", "interpret"))
 def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None,
-                       splits=None, num_warps=None, num_stages=None, unpack="magic", swiglu=False, interpret=False):
+                       splits=None, num_warps=None, num_stages=None, unpack="magic", swiglu=False, norm_weight=None,
+                       norm_eps=None, residual=None, interpret=False):
     """x [..., K] (1-4 rows in all); w [K, N], or [N, K] / int8 [N, K] / packed int4 uint8 [N, K/2] with
     ``transpose_w``. Returns ``x @ W`` [..., N] in ``out_dtype`` (default x.dtype; quantised weights give the
     unscaled float32 product of the integer values). ``scale`` (float32 [N], one split only): each column's float32
     sum is multiplied by it before the cast to ``out_dtype``, as
     :func:`jaxmtp.pallas.matmul.reference.quantized_matmul_reference` does (the quantised MTP layer's products end
     here, in the activations' dtype, with no scale kernel after them). ``swiglu``: x is [..., >= 2K] (gate | up) and
-    the product's input ``silu(gate) * up`` (floating or int8 weights)."""
+    the product's input ``silu(gate) * up`` (floating or int8 weights). ``norm_weight`` [K] (float32 offset) with
+    ``norm_eps``: the product's input is ``rms_norm(x)`` (:func:`jaxmtp.layers.norms.rms_norm`, rounded to x's dtype),
+    formed by every program from the whole row: the layer's input norm needs no launch of its own.
+    ``residual`` [..., N] (``out_dtype``): returns ``residual + x @ W``, added after the cast and rounded again, as the
+    model's residual add does (a block's output product that hands its sum to the next norm). Both: one split."""
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
     m = math.prod(lead)
@@ -144,20 +179,30 @@ def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, b
     int4 = w.dtype == jnp.uint8
     bad_swiglu = swiglu and (x.shape[-1] < 2 * kdim or int4)
     bad_scale = scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32)
-    if (not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu
-            or bad_scale):
-        raise ValueError(f"unsupported gemv: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}"
-                         f", swiglu={swiglu}, scale {None if scale is None else (scale.shape, scale.dtype)}")
+    bad_norm = norm_weight is not None and (swiglu or norm_eps is None or norm_weight.shape != (kdim,)
+                                            or x.shape[-1] != kdim or int4)
     quantised = jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8)
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if quantised else x.dtype))
+    bad_residual = residual is not None and (residual.shape != (*lead, n) or residual.dtype != out_dtype)
+    if (not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu
+            or bad_scale or bad_norm or bad_residual):
+        raise ValueError(f"unsupported gemv: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}"
+                         f", swiglu={swiglu}, scale {None if scale is None else (scale.shape, scale.dtype)}, norm "
+                         f"{None if norm_weight is None else (norm_weight.shape, norm_eps)}, residual "
+                         f"{None if residual is None else (residual.shape, residual.dtype)}")
     bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype, m)
     bn, bk, ns = block_n or bn0, block_k or bk0, splits or s0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
-    if n % bn or kdim % (bk * ns) or (scale is not None and ns != 1):
-        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split a scaled product)")
+    one_split_only = scale is not None or norm_weight is not None or residual is not None
+    if n % bn or kdim % (bk * ns) or (one_split_only and ns != 1):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split a product with "
+                         f"a scale, norm or residual)")
     kernel = functools.partial(_kernel, m=m, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
-                               unpack=unpack, swiglu=kdim if swiglu else 0)
+                               unpack=unpack, swiglu=kdim if swiglu else 0, scaled=scale is not None,
+                               norm_eps=None if norm_weight is None else float(norm_eps), residual=residual is not None)
     return launch_row_kernel(kernel, x, w, rows=next_pow2(m), block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or nw0, num_stages=num_stages or st0,
-                             interpret=interpret, name="gemv", column_scale=scale)
+                             interpret=interpret, name="gemv", column_scale=scale,
+                             row_weight=None if norm_weight is None else norm_weight.astype(jnp.float32),
+                             residual=residual)

@@ -158,21 +158,22 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
-                      interpret, name, pad=True, column_scale=None, partials=False):
+                      interpret, name, pad=True, column_scale=None, partials=False, row_weight=None, residual=None):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
     rows (``pad=False``: not padded, the kernel masks the missing rows), grid ``(N / block_n, splits)``, program j
     reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output (float32
-    partials per split, summed here, or with ``partials`` returned as a :class:`SplitSum`). ``column_scale`` [N]
-    (one split only) is passed to the kernel as a third input, its ``block_n`` slice per program. Returns [..., N] in
-    ``out_dtype``."""
+    partials per split, summed here, or with ``partials`` returned as a :class:`SplitSum`). Optional inputs follow W
+    in this order (one split only): ``column_scale`` [N], its ``block_n`` slice per program; ``row_weight`` [K],
+    whole in every program; ``residual`` [..., N] (x's rows, padded like x), its ``[rows, block_n]`` slice. Returns
+    [..., N] in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
     n = w.shape[0] if transpose_w else w.shape[1]
     x2 = x.reshape(m, kdim)
     if rows != m and pad:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
-    if column_scale is not None and splits != 1:
-        raise ValueError("column scales need one split along K")
+    if splits != 1 and (column_scale is not None or row_weight is not None or residual is not None):
+        raise ValueError("column scales, row weights and residuals need one split along K")
     w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
               else pl.BlockSpec((w.shape[0], block_n), lambda j, s: (0, j)))
     if splits == 1:
@@ -185,6 +186,15 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
     if column_scale is not None:
         in_specs.append(pl.BlockSpec((block_n,), lambda j, s: (j,)))
         args.append(column_scale)
+    if row_weight is not None:
+        in_specs.append(pl.BlockSpec(row_weight.shape, lambda j, s: (0,)))
+        args.append(row_weight)
+    if residual is not None:
+        r2 = residual.reshape(m, n)
+        if rows != m and pad:
+            r2 = jnp.pad(r2, ((0, rows - m), (0, 0)))
+        in_specs.append(pl.BlockSpec((rows, block_n), lambda j, s: (0, j)))
+        args.append(r2)
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
