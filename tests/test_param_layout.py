@@ -372,9 +372,9 @@ def test_int8_mtp_layer_tracks_the_exact_layer(rng, moe):
 def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
     """The quantised MTP layer on the kernel backend (Pallas interpreter): in a recursive pass (one row) the qkv
     product forms the input norm, o_proj adds the residual and gate|up forms the post-attention norm, and down_proj
-    the SwiGLU; in a window's pass (three rows, drafting from one) the last three. The hidden, the drafted choice and
-    the carry equal those with the norms as launches of their own (FUSE_LAYER_NORMS off) bit for bit, and match the
-    XLA path on the same int8 weights."""
+    the SwiGLU; in a window's pass (three rows, drafting from one) the last three. The hidden, the drafted id and
+    the carry match those with the norms as launches of their own (FUSE_LAYER_NORMS off; the fused products skip the
+    normed rows' rounding to bf16) and the XLA path on the same int8 weights."""
     cfg = _config(False).replace(hidden_size=128, vocab_size=4000, intermediate_size=128)
     ti = "triton_interpret"
     be = Backend(draft_head=ti, norm=ti, mtp_matmul=ti, attention=ti, attention_prelude=ti)
@@ -405,8 +405,12 @@ def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
             outs[fuse] = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, backend=be, **kw)
             if fuse:
                 assert calls == want_calls, calls
-        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), outs[True],
-                     outs[False])
+        (fused, hm, c), (unfused, hm_ref, c_ref) = outs[True], outs[False]
+        np.testing.assert_array_equal(np.asarray(chosen_ids(fused)), np.asarray(chosen_ids(unfused)))
+        close = lambda x, y: np.testing.assert_allclose(  # noqa: E731
+            np.asarray(x, np.float64), np.asarray(y, np.float64), atol=3e-2, rtol=0)
+        close(hm, hm_ref)
+        jax.tree.map(close, c, c_ref)
         _, hm_xla, _ = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, cfg=cfg, out_rows=rows,
                                    logits="none")
         np.testing.assert_allclose(np.asarray(outs[True][1], np.float64), np.asarray(hm_xla, np.float64),

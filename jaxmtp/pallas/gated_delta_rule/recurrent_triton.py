@@ -112,12 +112,15 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
     """refs: L each of k, v, g, beta, state; n; with ``ring`` also start, L raw inputs and L rings in; then the L
     states and (``ring``) the L rings out. A program commits one layer's ``[dk, BV]`` state slice over the row's
     first n tokens and writes the ring rows of its channels (as the mixer does, :mod:`.mixer_triton`). Triton has no
-    array of pointers: each per-layer load is a branch per layer (``lax.switch``) and each store is guarded by the
-    layer; the arithmetic between them is shared."""
+    array of pointers: a program's loads from its layer's arrays sit in one branch per layer (``lax.switch``; one
+    switch for all of them, since the loads of a branch are issued together and each switch costs a memory round
+    trip: one switch per load made the 0.8B commit 42 us instead of 18, H100, docs/performance.md run 18), and each
+    store is guarded by the layer; the arithmetic between them is shared."""
     nl = n_layers
     k_refs, v_refs, g_refs, b_refs, h0_refs = (refs[i * nl:(i + 1) * nl] for i in range(5))
     rest = list(refs[5 * nl:])
     n_ref = rest.pop(0)
+    in_refs = ()
     if ring:
         start_ref = rest.pop(0)
         in_refs, rest = rest[:nl], rest[2 * nl:]  # the rings in are aliased with the rings out: not read
@@ -125,11 +128,23 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
     f32 = jnp.float32
     iv, h = pl.program_id(0), pl.program_id(1)
     layer = pl.program_id(2) % nl
+    q_off, k_off, v_off, dk, dv, bv = offsets
+    kh = h // r
+    v_cols = pl.ds(v_off + h * dv + iv * bv, bv)
+    qk_cols = (pl.ds(q_off + kh * dk, dk), pl.ds(k_off + kh * dk, dk))
 
-    def per_layer(load, layer_refs):
+    def per_layer(load, *layer_refs):
+        """``load(*refs of one layer)`` from the program's layer: one branch per layer."""
         if nl == 1:
-            return load(layer_refs[0])
-        return lax.switch(layer, [functools.partial(load, ref) for ref in layer_refs])
+            return load(*(refs[0] for refs in layer_refs))
+        return lax.switch(layer, [functools.partial(load, *refs) for refs in zip(*layer_refs)])
+
+    def window(k_ref, v_ref, g_ref, b_ref, h0_ref, *in_ref):
+        rows = tuple(in_ref[0][i, v_cols] for i in range(t)) if in_ref else ()
+        return (h0_ref[...].astype(f32), tuple(k_ref[i, :] for i in range(t)), tuple(v_ref[i, :] for i in range(t)),
+                tuple(g_ref[i] for i in range(t)), tuple(b_ref[i] for i in range(t)), rows)
+
+    s, ks, vs, gs, bs, v_rows = per_layer(window, k_refs, v_refs, g_refs, b_refs, h0_refs, *([in_refs] if ring else []))
 
     def store(layer_refs, value, cond=None):
         for j, ref in enumerate(layer_refs):
@@ -140,14 +155,10 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
                 value(ref)
 
     n = n_ref[0]
-    s = per_layer(lambda ref: ref[...].astype(f32), h0_refs)
     for i in range(t):
         keep = i < n  # tokens past the accepted length leave the state as it is (g = beta = 0)
-        k = per_layer(lambda ref, i=i: ref[i, :].astype(f32), k_refs)
-        v = per_layer(lambda ref, i=i: ref[i, :].astype(f32), v_refs)
-        g = jnp.where(keep, per_layer(lambda ref, i=i: ref[i].astype(f32), g_refs), 0.0)
-        beta = jnp.where(keep, per_layer(lambda ref, i=i: ref[i].astype(f32), b_refs), 0.0)
-        s = delta_rule_write(s, l2norm_rows(k), v, g, beta)
+        s = delta_rule_write(s, l2norm_rows(ks[i].astype(f32)), vs[i].astype(f32),
+                             jnp.where(keep, gs[i].astype(f32), 0.0), jnp.where(keep, bs[i].astype(f32), 0.0))
 
     def store_state(ref):
         ref[...] = s
@@ -156,12 +167,9 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
     if not ring:
         return
     start = start_ref[0]
-    q_off, k_off, v_off, dk, dv, bv = offsets
-    kh = h // r
 
-    def write_ring(cols, cond):
+    def write_ring(cols, rows, cond):
         """Ring row j takes the last committed token at a position ``= j (mod K)``; rows with none keep theirs."""
-        rows = [per_layer(lambda ref, i=i: ref[i, cols], in_refs) for i in range(t)]
         for j in range(kk):
             last = n - 1 - ((n - 1 - j + start + kk) % kk)  # < 0: no committed token in row j
             val = _pick(rows, last)
@@ -171,10 +179,13 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
 
             store(ring_refs, put, (last >= 0) if cond is None else cond & (last >= 0))
 
-    write_ring(pl.ds(v_off + h * dv + iv * bv, bv), None)
-    key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's q and k channels
-    write_ring(pl.ds(q_off + kh * dk, dk), key_head_writer)
-    write_ring(pl.ds(k_off + kh * dk, dk), key_head_writer)
+    write_ring(v_cols, v_rows, None)
+
+    @pl.when((h % r == 0) & (iv == 0))  # the one program that writes its key head's q and k channels
+    def _():
+        qk_rows = per_layer(lambda ref: tuple(tuple(ref[i, cols] for i in range(t)) for cols in qk_cols), in_refs)
+        for cols, rows in zip(qk_cols, qk_rows):
+            write_ring(cols, rows, None)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))

@@ -84,30 +84,13 @@ def plan(k: int, n: int, transpose_w: bool, w_dtype, m: int = 1):
     return bn, 32, 1, 4, 4
 
 
-def _row_inv_rms(x_ref, r, eps):
-    """``rsqrt(mean(x[r]^2) + eps)`` of row r, summed as the norm kernel sums it (power-of-two chunks added
-    elementwise, one reduction; :mod:`jaxmtp.pallas.norms.add_rms_norm_triton`), so that the normed row is that
-    kernel's to the bit."""
-    n = x_ref.shape[-1]
-    chunk = n & -n
-    while chunk > 4096:
-        chunk //= 2
-    sq = jnp.zeros((chunk,), jnp.float32)
-    for j in range(n // chunk):
-        v = x_ref[r, pl.ds(j * chunk, chunk)].astype(jnp.float32)
-        sq = sq + v * v
-    return lax.rsqrt(jnp.sum(sq) / n + eps)
-
-
-def _row(x_ref, r, off, bk, swiglu, norm=None):
+def _row(x_ref, r, off, bk, swiglu, nw_ref=None):
     """Row r's inputs ``[off, off + bk)`` as float32; with ``swiglu`` (x = gate|up, each ``swiglu`` wide)
-    ``silu(gate) * up`` rounded to x's dtype; with ``norm = (inv_rms of each row, weight ref)`` the zero-centred
-    RMSNorm ``x * inv_rms * (1 + w)`` rounded to x's dtype (:func:`jaxmtp.layers.norms.rms_norm`)."""
+    ``silu(gate) * up`` rounded to x's dtype; with the norm weight ``nw_ref`` ``x * (1 + w)``, the RMSNorm before
+    its row scale (applied to the product's sums at the end)."""
     f32 = jnp.float32
-    if norm is not None:
-        invs, nw_ref = norm
-        xs = x_ref[r, pl.ds(off, bk)].astype(f32) * invs[r] * (1.0 + nw_ref[pl.ds(off, bk)].astype(f32))
-        return xs.astype(x_ref.dtype).astype(f32)
+    if nw_ref is not None:
+        return x_ref[r, pl.ds(off, bk)].astype(f32) * (1.0 + nw_ref[pl.ds(off, bk)].astype(f32))
     if not swiglu:
         return x_ref[r, pl.ds(off, bk)].astype(f32)
     g = x_ref[r, pl.ds(off, bk)].astype(f32)
@@ -124,7 +107,6 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
     res_ref = refs.pop(0) if residual else None
     [o_ref] = refs
     f32 = jnp.float32
-    norm = None if nw_ref is None else ([_row_inv_rms(x_ref, r, norm_eps) for r in range(m)], nw_ref)
     k0 = pl.program_id(1) * k_per_split
     bn = o_ref.shape[-1]
     if int4:
@@ -132,8 +114,15 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
     else:
         shape = (bn, bk) if transpose_w else (bk, bn)
 
-    def body(i, accs):
+    def body(i, carry):
         off = pl.multiple_of(k0 + i * bk, bk)
+        if nw_ref is not None:  # the rows' sums of squares ride along: the norm's row scale needs no prologue
+            accs, sqs = carry
+            xs = [x_ref[r, pl.ds(off, bk)].astype(f32) for r in range(m)]
+            return products(off, accs), tuple(sq + x * x for sq, x in zip(sqs, xs))
+        return products(off, carry)
+
+    def products(off, accs):
         if int4:
             b = w_ref[:, pl.ds(pl.multiple_of(off // 2, HALF), HALF)].astype(jnp.int32)
             lo, hi = _widen(b & 15, 8, unpack), _widen(b >> 4, 8, unpack)
@@ -142,14 +131,23 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
         if transpose_w:
             w = w_ref[:, pl.ds(off, bk)]
             w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
-            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, norm)[None, :] for r, acc in enumerate(accs))
+            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, nw_ref)[None, :] for r, acc in enumerate(accs))
         w = w_ref[pl.ds(off, bk), :].astype(f32)
-        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, norm)[:, None] for r, acc in enumerate(accs))
+        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, nw_ref)[:, None] for r, acc in enumerate(accs))
 
-    accs = lax.fori_loop(0, k_per_split // bk, body, tuple(jnp.zeros(shape, f32) for _ in range(m)))
+    init = tuple(jnp.zeros(shape, f32) for _ in range(m))
+    if nw_ref is not None:
+        init = (init, tuple(jnp.zeros((bk,), f32) for _ in range(m)))
+    accs = lax.fori_loop(0, k_per_split // bk, body, init)
+    inv = [None] * m
+    if nw_ref is not None:
+        accs, sqs = accs
+        inv = [lax.rsqrt(jnp.sum(sq) / k_per_split + norm_eps) for sq in sqs]
     scale = None if scale_ref is None else scale_ref[...]
     for r, acc in enumerate(accs):
         total = jnp.sum(acc, axis=1 if transpose_w else 0)
+        if inv[r] is not None:
+            total = total * inv[r]
         out = (total if scale is None else total * scale).astype(o_ref.dtype)
         if res_ref is not None:  # the residual add, as the model's own add rounds it
             out = (res_ref[r, :].astype(f32) + out.astype(f32)).astype(o_ref.dtype)
@@ -168,8 +166,11 @@ def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, b
     :func:`jaxmtp.pallas.matmul.reference.quantized_matmul_reference` does (the quantised MTP layer's products end
     here, in the activations' dtype, with no scale kernel after them). ``swiglu``: x is [..., >= 2K] (gate | up) and
     the product's input ``silu(gate) * up`` (floating or int8 weights). ``norm_weight`` [K] (float32 offset) with
-    ``norm_eps``: the product's input is ``rms_norm(x)`` (:func:`jaxmtp.layers.norms.rms_norm`, rounded to x's dtype),
-    formed by every program from the whole row: the layer's input norm needs no launch of its own.
+    ``norm_eps``: the product's input is ``rms_norm(x)`` (:func:`jaxmtp.layers.norms.rms_norm`): each program
+    multiplies ``x * (1 + w)`` and sums the row's squares as it streams K, and scales its sums by the row's
+    ``rsqrt(mean(x^2) + eps)`` at the end (float32 throughout; the unfused norm rounds the normed row to x's dtype
+    first, so the two differ in the last bits). The layer's input norm then needs no launch of its own and the
+    product no prologue.
     ``residual`` [..., N] (``out_dtype``): returns ``residual + x @ W``, added after the cast and rounded again, as the
     model's residual add does (a block's output product that hands its sum to the next norm). Both: one split."""
     lead = x.shape[:-1]
