@@ -91,27 +91,38 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
             outs.append(rnd(_silu(acc)))
         return outs, (ring, new)
 
+    # Every load is issued before the first store (as in the norm kernel, :mod:`jaxmtp.pallas.norms`): Triton keeps
+    # memory operations in program order where it cannot prove the pointers distinct, so a token's gate loads after
+    # the previous token's output stores cost a memory round trip per token of a verify window.
     qs, q_rows = conv(wq_ref, q_cols, pq_ref)
     ks, k_rows = conv(wk_ref, k_cols, pk_ref)
     vs, v_rows = conv(wv_ref, v_cols, pv_ref)
     a_log, dt_bias = alog_ref[0].astype(f32), dtb_ref[0].astype(f32)
+    valids = [valid_ref[i] != 0 for i in range(t)]
+    raw_a = [pa_ref[i, 0].astype(f32) for i in range(t)]
+    raw_b = [pb_ref[i, 0].astype(f32) for i in range(t)]
     s = h0_ref[...].astype(f32)
     n_valid = jnp.int32(0)
+    os, gs, betas = [], [], []
     for i in range(t):
-        valid = valid_ref[i] != 0
+        valid = valids[i]
         n_valid = n_valid + valid.astype(jnp.int32)
-        g = jnp.where(valid, -jnp.exp(a_log) * _softplus(pa_ref[i, 0].astype(f32) + dt_bias), 0.0)
-        beta = jnp.where(valid, jax.nn.sigmoid(pb_ref[i, 0].astype(f32)), 0.0)
+        g = jnp.where(valid, -jnp.exp(a_log) * _softplus(raw_a[i] + dt_bias), 0.0)
+        beta = jnp.where(valid, jax.nn.sigmoid(raw_b[i]), 0.0)
         s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
-        o_ref[i, :] = o.astype(o_ref.dtype)
+        os.append(o)
+        gs.append(g)
+        betas.append(beta)
+    for i in range(t):
+        o_ref[i, :] = os[i].astype(o_ref.dtype)
         if mode == "replay":
             k_out, v_out, g_out, beta_out = outs
             v_out[i, :] = vs[i].astype(v_out.dtype)
 
             @pl.when(iv == 0)
             def _():
-                g_out[i] = g
-                beta_out[i] = beta
+                g_out[i] = gs[i]
+                beta_out[i] = betas[i]
 
             @pl.when(key_head_writer)
             def _():

@@ -140,11 +140,12 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
         return lax.switch(layer, [functools.partial(load, *refs) for refs in zip(*layer_refs)])
 
     def window(k_ref, v_ref, g_ref, b_ref, h0_ref, *in_ref):
-        rows = tuple(in_ref[0][i, v_cols] for i in range(t)) if in_ref else ()
+        # the raw inputs of every channel group this program may write (q and k: read by all, written by one)
+        rows = tuple(tuple(in_ref[0][i, cols] for i in range(t)) for cols in (v_cols, *qk_cols)) if in_ref else ()
         return (h0_ref[...].astype(f32), tuple(k_ref[i, :] for i in range(t)), tuple(v_ref[i, :] for i in range(t)),
                 tuple(g_ref[i] for i in range(t)), tuple(b_ref[i] for i in range(t)), rows)
 
-    s, ks, vs, gs, bs, v_rows = per_layer(window, k_refs, v_refs, g_refs, b_refs, h0_refs, *([in_refs] if ring else []))
+    s, ks, vs, gs, bs, raw = per_layer(window, k_refs, v_refs, g_refs, b_refs, h0_refs, *([in_refs] if ring else []))
 
     def store(layer_refs, value, cond=None):
         for j, ref in enumerate(layer_refs):
@@ -179,13 +180,11 @@ def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
 
             store(ring_refs, put, (last >= 0) if cond is None else cond & (last >= 0))
 
+    v_rows, *qk_rows = raw
     write_ring(v_cols, v_rows, None)
-
-    @pl.when((h % r == 0) & (iv == 0))  # the one program that writes its key head's q and k channels
-    def _():
-        qk_rows = per_layer(lambda ref: tuple(tuple(ref[i, cols] for i in range(t)) for cols in qk_cols), in_refs)
-        for cols, rows in zip(qk_cols, qk_rows):
-            write_ring(cols, rows, None)
+    key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's q and k channels
+    for cols, rows in zip(qk_cols, qk_rows):
+        write_ring(cols, rows, key_head_writer)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
