@@ -301,17 +301,24 @@ def chosen_ids(choice: tuple) -> jax.Array:
     return argmax_from_partials(*partials).astype(jnp.int32)
 
 
-def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: jax.Array, backend: Backend = XLA):
+def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: jax.Array, backend: Backend = XLA,
+                     position=None):
     """A recursive draft pass's input from the previous pass's :func:`draft_choice` and hidden [B, H]: ``(d [B],
-    concat[rms_norm(E[d]), rms_norm(hidden)] [B, 1, 2H])``, what :func:`mtp_forward` forms from (d, hidden). From
-    argmax partials on a kernel backend one launch does it all (:func:`jaxmtp.pallas.norms.draft_input`)."""
+    concat[rms_norm(E[d]), rms_norm(hidden)] [B, 1, 2H], positions [B, 1])``, what :func:`mtp_forward` forms from
+    (d, hidden), with the pass's positions ``where(active, length + offset, -1)`` for ``position = (length [B],
+    active [B], offset)`` (None without it). From argmax partials on a kernel backend one launch does it all
+    (:func:`jaxmtp.pallas.norms.draft_input`)."""
     mp, eps = params["mtp"], cfg.rms_norm_eps
     ids, partials = choice
     if partials is not None:
-        d, x = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
-                                mp["pre_fc_norm_hidden"], eps, implementation=backend.norm)
-        return d, x[:, None]
-    return ids, mtp_fc_input(params, cfg, ids, hidden, backend)[:, None]
+        d, x, *pos = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
+                                      mp["pre_fc_norm_hidden"], eps, implementation=backend.norm, position=position)
+        return d, x[:, None], (pos[0][:, None] if pos else None)
+    pos = None
+    if position is not None:
+        length, active, offset = position
+        pos = jnp.where(active, length + offset, -1).astype(jnp.int32)[:, None]
+    return ids, mtp_fc_input(params, cfg, ids, hidden, backend)[:, None], pos
 
 
 def mtp_fc_input(params: Params, cfg: Qwen35Config, next_tokens, hidden, backend: Backend = XLA) -> jax.Array:

@@ -152,6 +152,14 @@ def test_draft_input_kernel_matches_float64(rng, g, b):
 
     want = np.concatenate([norm64(np.asarray(emb)[want_d], we), norm64(h, wh)], axis=-1)
     np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=2 ** -7, atol=1e-6)
+    # with the pass's positions: length + offset on active rows, -1 on idle ones; the rest unchanged
+    length = jnp.asarray(rng.integers(0, 100, b), jnp.int32)
+    active = jnp.asarray([True, False][:b])
+    d2, x2, pos = draft_input(jnp.asarray(vals), jnp.asarray(idx), emb, h, we, wh, 1e-6,
+                              implementation="triton_interpret", position=(length, active, 2))
+    np.testing.assert_array_equal(np.asarray(pos), np.where(np.asarray(active), np.asarray(length) + 2, -1))
+    np.testing.assert_array_equal(np.asarray(d2), np.asarray(d))
+    np.testing.assert_array_equal(np.asarray(x2), np.asarray(x))
 
 
 def test_fc_input_kernel_matches_float64(rng):

@@ -263,9 +263,11 @@ def test_recursive_draft_input_from_argmax_partials(rng):
     assert choice[0] is None and choice[1][0].shape[0] == 1  # partials, one row
     ids = chosen_ids(choice)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(draft_ids(params, h, Backend(draft_head="xla"))))
-    d, x = draft_pass_input(params, cfg, choice, h, be)
-    d_ref, x_ref = draft_pass_input(params, cfg, (ids, None), h, be)
+    length, active = jnp.asarray([6], jnp.int32), jnp.asarray([True])
+    d, x, pos = draft_pass_input(params, cfg, choice, h, be, position=(length, active, 2))
+    d_ref, x_ref, pos_ref = draft_pass_input(params, cfg, (ids, None), h, be, position=(length, ~active, 2))
     np.testing.assert_array_equal(np.asarray(d), np.asarray(d_ref))
+    assert pos.tolist() == [[8]] and pos_ref.tolist() == [[-1]]  # an idle row's pass writes nothing
     assert x.shape == (1, 1, 2 * cfg.hidden_size) and x.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(x_ref, np.float64), rtol=2 ** -7, atol=1e-6)
     carry = init_mtp_carry(cfg, 1, 8, jnp.bfloat16)

@@ -156,9 +156,9 @@ def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backe
     :func:`jaxmtp.model.draft_pass_input`). Returns ([B, k], carry)."""
     drafts, h = [], h1
     for i in range(1, k):
-        d, x = draft_pass_input(params, cfg, choice, h, backend)
+        # the pass's positions come from the input kernel too (no XLA kernel for them)
+        d, x, pos = draft_pass_input(params, cfg, choice, h, backend, position=(new_length, active, i - 1))
         drafts.append(d)
-        pos = jnp.where(active, new_length + i - 1, -1)[:, None]
         choice, hm, mtp_carry = mtp_forward(params, None, None, pos, mtp_carry, cfg=cfg, step=i, logits="choice",
                                             backend=backend, fc_input=x)
         h = hm[:, 0]

@@ -10,6 +10,8 @@ the GPU measurements).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, dense
 from jaxmtp.layers.norms import rms_norm as rms_norm_reference
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
@@ -46,13 +48,20 @@ def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):
     return rms_norm_reference(x, weight, eps)
 
 
-def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla"):
+def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla", position=None):
     """A recursive draft pass's input from the previous head's argmax partials: ``(d [B], concat[rms_norm(embed[d]),
     rms_norm(hidden)] [B, 2H])`` (:func:`draft_input_reference`); one kernel on ``"triton"`` / ``"triton_interpret"``
-    (:mod:`.draft_input_triton`) where the row length allows."""
+    (:mod:`.draft_input_triton`) where the row length allows. ``position = (length [B], active [B], offset)``: also
+    the pass's positions ``where(active, length + offset, -1)`` [B] int32, a third output (formed in the kernel)."""
     if implementation in (TRITON, TRITON_INTERPRET) and supports(hidden.shape[-1]):
-        return draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, interpret=implementation == TRITON_INTERPRET)
-    return draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
+        length, active, offset = position if position is not None else (None, None, None)
+        return draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, length, active, offset=offset,
+                                  interpret=implementation == TRITON_INTERPRET)
+    out = draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
+    if position is None:
+        return out
+    length, active, offset = position
+    return (*out, jnp.where(active, length + offset, -1).astype(jnp.int32))
 
 
 def fc_input(ids, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla"):

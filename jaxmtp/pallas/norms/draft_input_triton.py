@@ -60,8 +60,13 @@ def _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps):
         out_ref[b, pl.ds(j * chunk, chunk)] = part.astype(out_ref.dtype)
 
 
-def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, ids_ref, out_ref, *, g, hdim, eps):
+def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, *refs, g, hdim, eps, offset):
     b = pl.program_id(0)
+    if offset is not None:  # the pass's position too: length + offset for an active row, else -1
+        len_ref, act_ref, ids_ref, out_ref, pos_ref = refs
+        row_pos = jnp.where(act_ref[pl.ds(b, 1)] != 0, len_ref[pl.ds(b, 1)] + offset, -1)
+    else:
+        ids_ref, out_ref = refs
     best, pos, w = None, None, window(g)
     for start in windows(g):
         v = vals_ref[b, pl.ds(start, w)]
@@ -75,6 +80,8 @@ def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, ids_ref, out_ref,
             best = jnp.maximum(best, mx)
     tok = idx_ref[b, pl.ds(pos, 1)][0]
     ids_ref[pl.ds(b, 1)] = jnp.full((1,), tok, jnp.int32)
+    if offset is not None:
+        pos_ref[pl.ds(b, 1)] = row_pos.astype(jnp.int32)
     _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
 
 
@@ -85,27 +92,34 @@ def _ids_kernel(ids_ref, emb_ref, h_ref, we_ref, wh_ref, out_ref, *, hdim, eps):
     _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, *, interpret=False):
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "interpret"))
+def draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, length=None, active=None, *, offset=None,
+                       interpret=False):
     """vals / idx ``[Mp, G]`` (the argmax kernel's partials, rows >= B unused); embed ``[V, H]``; hidden ``[B, H]``;
     w_e / w_h ``[H]`` float32 offsets. Returns ``(ids [B] int32, x [B, 2H])`` in embed's dtype, as
-    :func:`jaxmtp.pallas.norms.reference.draft_input_reference`."""
+    :func:`jaxmtp.pallas.norms.reference.draft_input_reference`. With ``length``, ``active [B]`` and a static
+    ``offset``, also the pass's positions ``where(active, length + offset, -1)`` [B] int32 (no XLA kernel for
+    them)."""
     b, hdim = hidden.shape
     g = vals.shape[1]
     if not supports(hdim) or embed.shape[1] != hdim or idx.shape != vals.shape or vals.shape[0] < b:
         raise ValueError(f"unsupported draft input: partials {vals.shape}, embed {embed.shape}, hidden {hidden.shape}")
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731  (rows indexed in the kernel)
     out_shape = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 2 * hdim), embed.dtype))
+    args = [vals, idx, embed, hidden, w_e, w_h]
+    if offset is not None:
+        args += [length.astype(jnp.int32), active.astype(jnp.int32)]
+        out_shape += (jax.ShapeDtypeStruct((b,), jnp.int32),)
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, hdim=hdim, eps=float(eps)),
+        functools.partial(_kernel, g=g, hdim=hdim, eps=float(eps), offset=offset),
         out_shape=out_shape,
         grid=(b,),
-        in_specs=[full(a.shape) for a in (vals, idx, embed, hidden, w_e, w_h)],
+        in_specs=[full(a.shape) for a in args],
         out_specs=tuple(full(o.shape) for o in out_shape),
         compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="draft_input",
-    )(vals, idx, embed, hidden, w_e, w_h)
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
