@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmtp.pallas._common import l2norm_many
 from jaxmtp.pallas.gated_delta_rule import (
     chunk_gated_delta_rule,
     commit_gated_delta_rule,
@@ -202,12 +201,3 @@ def test_commit_of_several_layers_in_one_launch(rng):
     # the ring rows by hand: row 0 (start 5, 4 tokens) holds positions 5..8 in rows 1, 2, 3, 0
     np.testing.assert_array_equal(np.asarray(got_rings[0][0, jnp.asarray([1, 2, 3, 0])]),
                                   np.asarray(inputs[0][0, :, :c]))
-
-
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_l2norm_many_matches_float64(rng, n):
-    """Several rows L2-normalised with one reduction (the verify mixer's 2T norms) against float64."""
-    rows = [jnp.asarray(rng.standard_normal(32) * (j + 1), jnp.float32) for j in range(n)]
-    for got, row in zip(l2norm_many(rows), rows):
-        r64 = np.asarray(row, np.float64)
-        np.testing.assert_allclose(np.asarray(got, np.float64), r64 / np.sqrt((r64 ** 2).sum() + 1e-6), rtol=1e-6)

@@ -112,23 +112,6 @@ def l2norm_rows(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def l2norm_many(rows: list, eps: float = 1e-6) -> list:
-    """:func:`l2norm_rows` of several ``[d]`` rows with one reduction: the rows placed in a ``[R, d]`` tile (R the
-    next power of two; selects, no concatenation), their sums of squares reduced together, each row's factor read
-    back with a masked sum over R (within a thread). Inside a GPU kernel each reduction across warps costs a round
-    trip through shared memory and a barrier; a verify window's 2T norms then cost one. The sums may round
-    differently from :func:`l2norm_rows` (another reduction order)."""
-    n, d = len(rows), rows[0].shape[-1]
-    rp = next_pow2(n)
-    which = lax.broadcasted_iota(jnp.int32, (rp, d), 0)
-    tile = jnp.zeros((rp, d), jnp.float32)
-    for j, row in enumerate(rows):
-        tile = jnp.where(which == j, row[None, :], tile)
-    inv = lax.rsqrt(jnp.sum(tile * tile, axis=1) + eps)  # [R]
-    at = lax.broadcasted_iota(jnp.int32, (rp,), 0)
-    return [row * jnp.sum(jnp.where(at == j, inv, 0.0)) for j, row in enumerate(rows)]
-
-
 def delta_rule_write(s, k, v, g, beta):
     """The state update of one token of the gated delta rule on a ``[dk, BV]`` float32 state slice, in the GPU
     kernels' register layout: decay, then delta write. k (normalised): [dk]; v: [BV]; g, beta: scalars."""

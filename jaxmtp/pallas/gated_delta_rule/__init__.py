@@ -129,10 +129,6 @@ MIXER_BLOCK_V = 32
 # 2 warps within the noise, 1 warp 8-12% slower with k = 3; 4 kept.
 MIXER_NUM_WARPS = 4
 COMMIT_NUM_WARPS = 4
-# A verify window's query and key norms in one reduction per mixer program (:func:`jaxmtp.pallas._common.l2norm_many`;
-# each reduction across warps is a shared-memory round trip and a barrier, 2T of them per program unmerged): see
-# docs/performance.md run 18. Decode (T = 1) keeps the per-row norms, those of the commit kernel.
-MIXER_MERGED_NORMS = True
 
 
 def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, replay=False,
@@ -147,8 +143,7 @@ def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, cfg, r
     return gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start,
                             hk=cfg.linear_num_key_heads, hv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                             dv=cfg.linear_value_head_dim, replay=replay, block_v=MIXER_BLOCK_V,
-                            num_warps=MIXER_NUM_WARPS, merged_norms=bool(MIXER_MERGED_NORMS),
-                            interpret=interpret_arg(implementation))
+                            num_warps=MIXER_NUM_WARPS, interpret=interpret_arg(implementation))
 
 
 __all__ = [

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import delta_rule_token, l2norm_many, l2norm_rows
+from jaxmtp.pallas._common import delta_rule_token, l2norm_rows
 
 
 BLOCK_V = 32  # BV: the dv slice a program owns
@@ -64,8 +64,7 @@ def _pick(rows, index):
 
 
 def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring_in_ref, alog_ref, dtb_ref,
-            valid_ref, start_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype,
-            merged_norms=True):
+            valid_ref, start_ref, h0_ref, o_ref, *outs, t, km1, r, dk, dv, bv, offsets, scale, mode, dtype):
     iv, h = pl.program_id(0), pl.program_id(1)
     key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's channels
     q_off, k_off, v_off = offsets
@@ -103,11 +102,6 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
     raw_a = [pa_ref[i, 0].astype(f32) for i in range(t)]
     raw_b = [pb_ref[i, 0].astype(f32) for i in range(t)]
     s = h0_ref[...].astype(f32)
-    if merged_norms and mode == "replay":  # the 2T norms in one reduction (the state is committed elsewhere)
-        normed = l2norm_many(qs + ks)
-        q_hat, k_hat = normed[:t], normed[t:]
-    else:  # the state's keys normalised exactly as the commit kernel and plain decoding normalise them
-        q_hat, k_hat = [l2norm_rows(q) for q in qs], [l2norm_rows(k) for k in ks]
     n_valid = jnp.int32(0)
     os, gs, betas = [], [], []
     for i in range(t):
@@ -115,7 +109,7 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
         n_valid = n_valid + valid.astype(jnp.int32)
         g = jnp.where(valid, -jnp.exp(a_log) * _softplus(raw_a[i] + dt_bias), 0.0)
         beta = jnp.where(valid, jax.nn.sigmoid(raw_b[i]), 0.0)
-        s, o = delta_rule_token(s, q_hat[i] * scale, k_hat[i], vs[i], g, beta)
+        s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
         os.append(o)
         gs.append(g)
         betas.append(beta)
@@ -160,16 +154,14 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
             write_ring(k_rows, k_cols)
 
 
-@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "merged_norms",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("hk", "hv", "dk", "dv", "replay", "block_v", "num_warps", "interpret"))
 def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *, hk, hv, dk, dv, replay=False,
-                     block_v=None, num_warps=None, merged_norms=True, interpret=False):
+                     block_v=None, num_warps=None, interpret=False):
     """proj [B, T, P]; ring [B, K, C] (the conv carry); conv_w [K, C]; a_log, dt_bias [Hv]; state [B, Hv, dk, dv]
     (float32); valid [B, T] bool; start [B] int32, each row's first position.
     Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], ring [B, K, C])) or, with
     ``replay``, (o, (k [B, T, Hk, dk], v [B, T, Hv, dv], g [B, T, Hv], beta [B, T, Hv])). ``block_v`` (BV) and
-    ``num_warps`` tune it. ``merged_norms`` (replay only): the window's 2T query and key L2 norms in one reduction
-    (:func:`jaxmtp.pallas._common.l2norm_many`) instead of 2T."""
+    ``num_warps`` tune it."""
     b, t, _ = proj.shape
     km1 = ring.shape[1] - 1
     c = 2 * hk * dk + hv * dv
@@ -211,7 +203,7 @@ def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *,
         out_specs += [pl.BlockSpec((None, None, dk, bv), lambda iv, h, bi: (bi, h, 0, iv)),
                       pl.BlockSpec((None, km1 + 1, c), lambda iv, h, bi: (bi, 0, 0))]  # disjoint channels
     kernel = functools.partial(_kernel, t=t, km1=km1, r=r, dk=dk, dv=dv, bv=bv, offsets=(0, hk * dk, 2 * hk * dk),
-                               scale=float(dk ** -0.5), mode=mode, dtype=proj.dtype, merged_norms=merged_norms)
+                               scale=float(dk ** -0.5), mode=mode, dtype=proj.dtype)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
