@@ -86,18 +86,20 @@ def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla
 
 def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla") -> tuple:
     """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). A
-    Triton ``implementation`` commits every layer's state and conv ring in one kernel launch
-    (:func:`jaxmtp.pallas.gated_delta_rule.commit_windows`)."""
+    Triton ``implementation`` commits every layer's state in one kernel launch, reading each layer's window as it is
+    (:func:`jaxmtp.pallas.gated_delta_rule.commit_windows`); the conv rings update with XLA, which fuses them
+    (:func:`ring_update`). Committing the rings in the kernel too (its ``rings`` argument) removed those kernels but
+    made the kernel take 44 s to compile instead of 2 at the 0.8B shapes (H100, docs/performance.md run 18)."""
     at = [i for i, c in enumerate(carry) if isinstance(c, GDNSteps)]
     if not at:
         return tuple(carry)
     steps = [carry[i] for i in at]
     each = lambda name: [getattr(s, name) for s in steps]  # noqa: E731
-    states, rings = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
-                                   each("ring"), each("inputs"), steps[0].start, implementation=implementation)
+    states, _ = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
+                               implementation=implementation)
     out = list(carry)
-    for i, state, ring in zip(at, states, rings):
-        out[i] = GDNCarry(ring, state)
+    for i, s, state in zip(at, steps, states):
+        out[i] = GDNCarry(ring_update(s.ring, s.inputs[..., : s.ring.shape[-1]], s.start, n_tokens), state)
     return tuple(out)
 
 
@@ -204,7 +206,7 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_st
                        replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
     y = out_proj(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv))
-    if step_states:  # the whole projection: the commit kernel reads the conv inputs' columns itself
+    if step_states:  # the whole projection: the ring update reads the conv inputs' columns itself (no slice kernel)
         return y, GDNSteps(carry.state, carry.conv, proj, *out, start)
     state, ring = out
     return y, GDNCarry(ring, state)
