@@ -36,7 +36,6 @@ from jaxmtp.pallas.gated_delta_rule import (
     commit_windows,
     fused_recurrent_gated_delta_rule,
     gdn_mixer,
-    ring_update,
     use_fused_mixer,
 )
 
@@ -88,15 +87,15 @@ def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla")
     """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). A
     Triton ``implementation`` commits every layer's state in one kernel launch, reading each layer's window as it is
     (:func:`jaxmtp.pallas.gated_delta_rule.commit_windows`); the conv rings update with XLA, which fuses them
-    (:func:`ring_update`). Committing the rings in the kernel too (its ``rings`` argument) removed those kernels but
-    made the kernel take 44 s to compile instead of 2 at the 0.8B shapes (H100, docs/performance.md run 18)."""
+    (:func:`ring_update`). Committing the rings in the kernel too removed those kernels but made it take 44 s to
+    compile instead of 2 at the 0.8B shapes (H100, docs/performance.md run 18)."""
     at = [i for i, c in enumerate(carry) if isinstance(c, GDNSteps)]
     if not at:
         return tuple(carry)
     steps = [carry[i] for i in at]
     each = lambda name: [getattr(s, name) for s in steps]  # noqa: E731
-    states, _ = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
-                               implementation=implementation)
+    states = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
+                            implementation=implementation)
     out = list(carry)
     for i, s, state in zip(at, steps, states):
         out[i] = GDNCarry(ring_update(s.ring, s.inputs[..., : s.ring.shape[-1]], s.start, n_tokens), state)
@@ -109,6 +108,16 @@ def window_from_ring(ring: jax.Array, start: jax.Array) -> jax.Array:
     k = ring.shape[1]
     slots = (start[:, None] + jnp.arange(1 - k, 0)[None]) % k
     return jnp.take_along_axis(ring, slots[:, :, None], axis=1)
+
+
+def ring_update(ring: jax.Array, inputs: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
+    """``ring [B, K, C]`` after writing ``inputs[b, i]`` (position start[b] + i) for i < n[b], in order of i: row j
+    takes the last such i with ``(start + i) % K == j`` and keeps its value if there is none."""
+    k, t = ring.shape[1], inputs.shape[1]
+    j = jnp.arange(k)[None]
+    last = n[:, None] - 1 - ((n[:, None] - 1 - (j - start[:, None])) % k)  # [B, K]; < 0: row j not written
+    src = jnp.take_along_axis(inputs, jnp.clip(last, 0, t - 1)[:, :, None], axis=1)
+    return jnp.where((last >= 0)[..., None], src.astype(ring.dtype), ring)
 
 
 def row_start(positions: jax.Array) -> jax.Array:

@@ -14,7 +14,6 @@ from jaxmtp.pallas.gated_delta_rule.reference import (
     l2norm,
     naive_chunk_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
-    ring_update,
 )
 
 MAX_RECURRENT_TOKENS = 16
@@ -86,28 +85,23 @@ def commit_gated_delta_rule(k, v, g, beta, state, implementation="xla"):
 COMMIT_ONE_LAUNCH_MAX_ROWS = 4
 
 
-def commit_windows(k, v, g, beta, states, n_tokens, rings=None, inputs=None, start=None, implementation="xla"):
+def commit_windows(k, v, g, beta, states, n_tokens, implementation="xla"):
     """L layers' verify windows committed once the accepted lengths ``n_tokens [B]`` are known: per layer l the state
     after the first n tokens of ``k[l] [B, T, Hk, dk]``, ``v[l] [B, T, Hv, dv]``, ``g[l], beta[l] [B, T, Hv]`` from
-    ``states[l]`` (float32 ``[B, Hv, dk, dv]``), and with ``rings`` each conv ring ``[B, K, C]`` after those tokens'
-    raw inputs (the first C columns of ``inputs[l] [B, T, >= C]``; the window starts at ``start [B]``). Arguments
-    are sequences of L arrays. Returns (L states, L rings or None). The Triton kernel does it all in one launch for
-    up to ``COMMIT_ONE_LAUNCH_MAX_ROWS`` rows (:func:`.recurrent_triton.commit_windows_triton`); otherwise the rule
-    runs layer by layer (:func:`commit_gated_delta_rule`) and the rings update with XLA
-    (:func:`.reference.ring_update`)."""
+    ``states[l]`` (float32 ``[B, Hv, dk, dv]``). Arguments are sequences of L arrays; returns the L states. The
+    Triton kernel commits every layer in one launch for up to ``COMMIT_ONE_LAUNCH_MAX_ROWS`` rows, reading each
+    layer's arrays where they are (:func:`.recurrent_triton.commit_windows_triton`); other implementations, and more
+    rows, commit layer by layer (:func:`commit_gated_delta_rule`)."""
     b, t = k[0].shape[:2]
     if (implementation in (TRITON, TRITON_INTERPRET) and b <= COMMIT_ONE_LAUNCH_MAX_ROWS
             and t <= MAX_RECURRENT_TOKENS and _triton_shapes_ok(k[0].shape[-1], v[0].shape[-1])):
         from jaxmtp.pallas.gated_delta_rule.recurrent_triton import commit_windows_triton
 
-        return commit_windows_triton(k, v, g, beta, states, n_tokens, rings, inputs, start,
-                                     num_warps=COMMIT_NUM_WARPS, interpret=interpret_arg(implementation))
+        return commit_windows_triton(k, v, g, beta, states, n_tokens, num_warps=COMMIT_NUM_WARPS,
+                                     interpret=interpret_arg(implementation))
     keep = (jnp.arange(t)[None] < n_tokens[:, None])[..., None]
-    new_states = [commit_gated_delta_rule(k_l, v_l, jnp.where(keep, g_l, 0.0), jnp.where(keep, b_l, 0.0), s,
-                                          implementation) for k_l, v_l, g_l, b_l, s in zip(k, v, g, beta, states)]
-    if rings is None:
-        return new_states, None
-    return new_states, [ring_update(ring, x[..., : ring.shape[-1]], start, n_tokens) for ring, x in zip(rings, inputs)]
+    return [commit_gated_delta_rule(k_l, v_l, jnp.where(keep, g_l, 0.0), jnp.where(keep, b_l, 0.0), s, implementation)
+            for k_l, v_l, g_l, b_l, s in zip(k, v, g, beta, states)]
 
 
 def use_fused_mixer(cfg, t: int, implementation: str) -> bool:
@@ -156,5 +150,4 @@ __all__ = [
     "l2norm",
     "naive_chunk_gated_delta_rule",
     "naive_recurrent_gated_delta_rule",
-    "ring_update",
 ]

@@ -100,156 +100,77 @@ def fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initia
     return outs[0], (outs[1] if mode != "none" else None)
 
 
-def _pick(rows, index):
-    """``rows[index]`` for a traced index (a select per row: no dynamic indexing inside the kernel)."""
-    out = rows[0]
-    for idx in range(1, len(rows)):
-        out = jnp.where(index == idx, rows[idx], out)
-    return out
-
-
-def _commit_kernel(*refs, t, n_layers, r, kk, offsets, ring):
-    """refs: L each of k, v, g, beta, state; n; with ``ring`` also start, L raw inputs and L rings in; then the L
-    states and (``ring``) the L rings out. A program commits one layer's ``[dk, BV]`` state slice over the row's
-    first n tokens and writes the ring rows of its channels (as the mixer does, :mod:`.mixer_triton`). Triton has no
-    array of pointers: a program's loads from its layer's arrays sit in one branch per layer (``lax.switch``; one
-    switch for all of them, since the loads of a branch are issued together and each switch costs a memory round
-    trip: one switch per load made the 0.8B commit 42 us instead of 18, H100, docs/performance.md run 18), and each
-    store is guarded by the layer; the arithmetic between them is shared."""
+def _commit_kernel(*refs, t, n_layers):
+    """refs: L each of k, v, g, beta, state; n; then the L states out. A program commits one layer's ``[dk, BV]``
+    state slice over the row's first n tokens. Triton has no array of pointers: a program's loads from its layer's
+    arrays sit in one branch per layer (``lax.switch``; one switch for all of them, since the loads of a branch are
+    issued together and each switch costs a memory round trip: one switch per load made the 0.8B commit 42 us
+    instead of 18, H100, docs/performance.md run 18), and a store per layer is guarded by the layer; the arithmetic
+    between them is shared."""
     nl = n_layers
     k_refs, v_refs, g_refs, b_refs, h0_refs = (refs[i * nl:(i + 1) * nl] for i in range(5))
-    rest = list(refs[5 * nl:])
-    n_ref = rest.pop(0)
-    in_refs = ()
-    if ring:
-        start_ref = rest.pop(0)
-        in_refs, rest = rest[:nl], rest[2 * nl:]  # the rings in are aliased with the rings out: not read
-    s_refs, ring_refs = rest[:nl], rest[nl:]
+    n_ref, s_refs = refs[5 * nl], refs[5 * nl + 1:]
     f32 = jnp.float32
-    iv, h = pl.program_id(0), pl.program_id(1)
     layer = pl.program_id(2) % nl
-    q_off, k_off, v_off, dk, dv, bv = offsets
-    kh = h // r
-    v_cols = pl.ds(v_off + h * dv + iv * bv, bv)
-    qk_cols = (pl.ds(q_off + kh * dk, dk), pl.ds(k_off + kh * dk, dk))
 
-    def per_layer(load, *layer_refs):
-        """``load(*refs of one layer)`` from the program's layer: one branch per layer."""
-        if nl == 1:
-            return load(*(refs[0] for refs in layer_refs))
-        return lax.switch(layer, [functools.partial(load, *refs) for refs in zip(*layer_refs)])
-
-    def window(k_ref, v_ref, g_ref, b_ref, h0_ref, *in_ref):
-        # the raw inputs of every channel group this program may write (q and k: read by all, written by one)
-        rows = tuple(tuple(in_ref[0][i, cols] for i in range(t)) for cols in (v_cols, *qk_cols)) if in_ref else ()
+    def window(k_ref, v_ref, g_ref, b_ref, h0_ref):
         return (h0_ref[...].astype(f32), tuple(k_ref[i, :] for i in range(t)), tuple(v_ref[i, :] for i in range(t)),
-                tuple(g_ref[i] for i in range(t)), tuple(b_ref[i] for i in range(t)), rows)
+                tuple(g_ref[i] for i in range(t)), tuple(b_ref[i] for i in range(t)))
 
-    s, ks, vs, gs, bs, raw = per_layer(window, k_refs, v_refs, g_refs, b_refs, h0_refs, *([in_refs] if ring else []))
-
-    def store(layer_refs, value, cond=None):
-        for j, ref in enumerate(layer_refs):
-            c = layer == j if cond is None else cond & (layer == j)
-
-            @pl.when(c)
-            def _(ref=ref):
-                value(ref)
-
+    if nl == 1:
+        s, ks, vs, gs, bs = window(k_refs[0], v_refs[0], g_refs[0], b_refs[0], h0_refs[0])
+    else:
+        s, ks, vs, gs, bs = lax.switch(layer, [functools.partial(window, *refs) for refs in
+                                               zip(k_refs, v_refs, g_refs, b_refs, h0_refs)])
     n = n_ref[0]
     for i in range(t):
         keep = i < n  # tokens past the accepted length leave the state as it is (g = beta = 0)
         s = delta_rule_write(s, l2norm_rows(ks[i].astype(f32)), vs[i].astype(f32),
                              jnp.where(keep, gs[i].astype(f32), 0.0), jnp.where(keep, bs[i].astype(f32), 0.0))
-
-    def store_state(ref):
-        ref[...] = s
-
-    store(s_refs, store_state)
-    if not ring:
-        return
-    start = start_ref[0]
-
-    def write_ring(cols, rows, cond):
-        """Ring row j takes the last committed token at a position ``= j (mod K)``; rows with none keep theirs."""
-        for j in range(kk):
-            last = n - 1 - ((n - 1 - j + start + kk) % kk)  # < 0: no committed token in row j
-            val = _pick(rows, last)
-
-            def put(ref, j=j, val=val):
-                ref[j, cols] = val.astype(ref.dtype)
-
-            store(ring_refs, put, (last >= 0) if cond is None else cond & (last >= 0))
-
-    v_rows, *qk_rows = raw
-    write_ring(v_cols, v_rows, None)
-    key_head_writer = (h % r == 0) & (iv == 0)  # the one program that writes its key head's q and k channels
-    for cols, rows in zip(qk_cols, qk_rows):
-        write_ring(cols, rows, key_head_writer)
+    for j, ref in enumerate(s_refs):
+        @pl.when(layer == j)
+        def _store(ref=ref):
+            ref[...] = s
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
-def commit_windows_triton(k, v, g, beta, states, n_tokens, rings=None, inputs=None, start=None, *, block_v=None,
-                          num_warps=None, interpret=False):
+def commit_windows_triton(k, v, g, beta, states, n_tokens, *, block_v=None, num_warps=None, interpret=False):
     """L layers' verify windows committed in one launch: for layer l the rule (no query, no read-out) over the first
     ``n_tokens [B]`` tokens of ``k[l] [B, T, Hk, dk]`` (L2-normalised in the kernel), ``v[l] [B, T, Hv, dv]``,
-    ``g[l], beta[l] [B, T, Hv]`` from ``states[l] [B, Hv, dk, dv]`` (float32, overwritten in place), and with
-    ``rings`` also each conv ring ``rings[l] [B, K, C]`` (in place) given the committed tokens' raw inputs, the first
-    C columns of ``inputs[l] [B, T, >= C]`` (the fused projection's output as it is: no slice kernel), the window
-    starting at position ``start [B]`` (:func:`jaxmtp.pallas.gated_delta_rule.reference.ring_update`). Arguments are
-    sequences of L arrays (no stacking kernels). Grid ``(dv / BV, Hv, B * L)``: a program holds one layer's
-    ``[dk, BV]`` slice. Each state equals :func:`fused_recurrent_gated_delta_rule_triton`'s bit for bit (the same
-    per-token arithmetic, :func:`jaxmtp.pallas._common.delta_rule_write`). Returns (L states, L rings or None)."""
+    ``g[l], beta[l] [B, T, Hv]`` from ``states[l] [B, Hv, dk, dv]`` (float32, overwritten in place). Arguments are
+    sequences of L arrays, read where they are (no stacking kernels). Grid ``(dv / BV, Hv, B * L)``: a program holds
+    one layer's ``[dk, BV]`` slice. Each state equals :func:`fused_recurrent_gated_delta_rule_triton`'s bit for bit
+    (the same per-token arithmetic, :func:`jaxmtp.pallas._common.delta_rule_write`). Returns the L new states."""
     nl = len(k)
-    if not (len(v) == len(g) == len(beta) == len(states) == nl) or (rings is not None and len(rings) != nl):
+    if not (len(v) == len(g) == len(beta) == len(states) == nl):
         raise ValueError(f"per-layer sequences of different lengths: {nl} k for {len(states)} states")
     b, t, hk, dk = k[0].shape
     hv, dv = v[0].shape[2:]
     r = hv // hk
     bv = min(block_v or 32, dv)
-    ring = rings is not None
     bl = lambda p: p // nl  # noqa: E731 - the batch row of program p
     k_spec = pl.BlockSpec((None, t, None, dk), lambda iv, h, p: (bl(p), 0, h // r, 0))
     v_spec = pl.BlockSpec((None, t, None, bv), lambda iv, h, p: (bl(p), 0, h, iv))
     gate_spec = pl.BlockSpec((None, t, None), lambda iv, h, p: (bl(p), 0, h))
     state_spec = pl.BlockSpec((None, None, dk, bv), lambda iv, h, p: (bl(p), h, 0, iv))
-    row_spec = pl.BlockSpec((None, 1), lambda iv, h, p: (bl(p), 0))
-    in_specs = [k_spec] * nl + [v_spec] * nl + [gate_spec] * nl * 2 + [state_spec] * nl + [row_spec]
-    args = [*k, *v, *g, *beta, *(s.astype(jnp.float32) for s in states), n_tokens.astype(jnp.int32).reshape(b, 1)]
-    out_shape = [jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)] * nl
-    out_specs = [state_spec] * nl
-    aliases = {4 * nl + j: j for j in range(nl)}
-    offsets = (0, hk * dk, 2 * hk * dk, dk, dv, bv)
-    kk = 0
-    if ring:
-        kk, c = rings[0].shape[1:]
-        if c != 2 * hk * dk + hv * dv or inputs is None or start is None or len(inputs) != nl:
-            raise ValueError(f"rings of {c} channels for Hk={hk}, dk={dk}, Hv={hv}, dv={dv}, or no inputs / start")
-        ring_spec = pl.BlockSpec((None, kk, c), lambda iv, h, p: (bl(p), 0, 0))
-        in_specs += [row_spec] + [pl.BlockSpec((None, t, x.shape[-1]), lambda iv, h, p: (bl(p), 0, 0))
-                                  for x in inputs] + [ring_spec] * nl
-        first_ring = len(args) + 1 + nl
-        args += [start.astype(jnp.int32).reshape(b, 1), *inputs, *rings]
-        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in rings]
-        out_specs += [ring_spec] * nl
-        aliases.update({first_ring + j: nl + j for j in range(nl)})
     out = pl.pallas_call(
-        functools.partial(_commit_kernel, t=t, n_layers=nl, r=r, kk=kk, offsets=offsets, ring=ring),
-        out_shape=out_shape,
+        functools.partial(_commit_kernel, t=t, n_layers=nl),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32)] * nl,
         grid=(dv // bv, hv, b * nl),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        in_specs=[k_spec] * nl + [v_spec] * nl + [gate_spec] * nl * 2 + [state_spec] * nl
+        + [pl.BlockSpec((None, 1), lambda iv, h, p: (bl(p), 0))],
+        out_specs=[state_spec] * nl,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=1),
-        input_output_aliases=aliases,
+        input_output_aliases={4 * nl + j: j for j in range(nl)},
         interpret=interpret,
         name="gdn_commit",
-    )(*args)
-    return list(out[:nl]), (list(out[nl:]) if ring else None)
+    )(*k, *v, *g, *beta, *(s.astype(jnp.float32) for s in states), n_tokens.astype(jnp.int32).reshape(b, 1))
+    return list(out)
 
 
 def commit_gated_delta_rule_triton(k, v, g, beta, state, *, block_v=None, num_warps=None, interpret=False):
     """:func:`commit_windows_triton` for one layer and every token (g, beta 0 where a token is not committed):
     ``k [B, T, Hk, dk]``, ``v [B, T, Hv, dv]``, ``g, beta [B, T, Hv]``, ``state [B, Hv, dk, dv]`` -> the new state."""
     b, t = k.shape[:2]
-    states, _ = commit_windows_triton([k], [v], [g], [beta], [state], jnp.full((b,), t, jnp.int32), block_v=block_v,
-                                      num_warps=num_warps, interpret=interpret)
-    return states[0]
+    return commit_windows_triton([k], [v], [g], [beta], [state], jnp.full((b,), t, jnp.int32), block_v=block_v,
+                                 num_warps=num_warps, interpret=interpret)[0]

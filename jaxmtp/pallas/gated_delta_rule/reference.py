@@ -155,13 +155,3 @@ def naive_chunk_gated_delta_rule(
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, tp, -1)[:, :, :t]
     o = jnp.moveaxis(o, 1, 2).astype(out_dtype)
     return o, (s_final if output_final_state else None)
-
-
-def ring_update(ring: jax.Array, inputs: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
-    """``ring [B, K, C]`` after writing ``inputs[b, i]`` (position start[b] + i) for i < n[b], in order of i: row j
-    takes the last such i with ``(start + i) % K == j`` and keeps its value if there is none."""
-    k, t = ring.shape[1], inputs.shape[1]
-    j = jnp.arange(k)[None]
-    last = n[:, None] - 1 - ((n[:, None] - 1 - (j - start[:, None])) % k)  # [B, K]; < 0: row j not written
-    src = jnp.take_along_axis(inputs, jnp.clip(last, 0, t - 1)[:, :, None], axis=1)
-    return jnp.where((last >= 0)[..., None], src.astype(ring.dtype), ring)
