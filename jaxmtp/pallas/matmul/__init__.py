@@ -231,7 +231,6 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
 
 
 __all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized",
-           "layer_gemv_fuses", "linear",
-           "matmul_reference", "output_linear", "quantized_argmax", "quantized_argmax_partials", "quantized_linear",
-           "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton",
-           "w4a8_matmul_reference", "w4a8_matmul_triton"]
+           "layer_gemv_fuses", "linear", "matmul_reference", "output_linear", "quantized_argmax",
+           "quantized_argmax_partials", "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton",
+           "supports", "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference", "w4a8_matmul_triton"]
