@@ -38,7 +38,7 @@ from jaxmtp.pallas.matmul import (argmax_from_partials, argmax_partials_apply, l
                                   quantized_argmax, quantized_argmax_partials, quantized_linear)
 from jaxmtp.param_layout import has_quantized_mtp
 from jaxmtp.pallas.norms import (add_rms_norm, add_rms_norm_quantized, draft_input as norm_draft_input, fc_input,
-                                 rms_norm as norm_kernel)
+                                 pass_positions, rms_norm as norm_kernel)
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -314,10 +314,7 @@ def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: j
         d, x, *pos = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
                                       mp["pre_fc_norm_hidden"], eps, implementation=backend.norm, position=position)
         return d, x[:, None], (pos[0][:, None] if pos else None)
-    pos = None
-    if position is not None:
-        length, active, offset = position
-        pos = jnp.where(active, length + offset, -1).astype(jnp.int32)[:, None]
+    pos = None if position is None else pass_positions(*position)[:, None]
     return ids, mtp_fc_input(params, cfg, ids, hidden, backend)[:, None], pos
 
 

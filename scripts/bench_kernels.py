@@ -532,18 +532,19 @@ def section_commit():
         if out_of_time("commit"):
             return
         layers = [gdn_inputs(jax.random.key(100 + i), b, t, hk, hv, d, lengths=[3] * b) for i in range(n_layers)]
-        k, v, g, beta = (jnp.stack([x[i] for x in layers]) for i in (1, 2, 3, 4))
-        states = [x[5] for x in layers]
+        # per-layer arrays, as the verify leaves them: args = k, v, g, beta of every layer, then the L states
+        args = [x[i] for i in (1, 2, 3, 4) for x in layers] + [x[5] for x in layers]
         every = jnp.full((b,), t, jnp.int32)  # g and beta are 0 on the padding already
+        nl = n_layers
+        split = lambda a: [list(a[i * nl:(i + 1) * nl]) for i in range(5)]  # noqa: E731
 
-        def per_layer(k, v, g, beta, *s):
-            return [commit_gated_delta_rule_triton(k[i], v[i], g[i], beta[i], s[i], **impl_kw())
-                    for i in range(len(s))]
+        def per_layer(*a):
+            return [commit_gated_delta_rule_triton(*layer, **impl_kw()) for layer in zip(*split(a))]
 
-        def one_launch(k, v, g, beta, *s):
-            return commit_windows_triton(list(k), list(v), list(g), list(beta), list(s), every, **impl_kw())
+        def one_launch(*a):
+            return commit_windows_triton(*split(a), every, **impl_kw())
 
-        got, each = one_launch(k, v, g, beta, *states), per_layer(k, v, g, beta, *states)
+        got, each = one_launch(*args), per_layer(*args)
         diff = max(float(jnp.max(jnp.abs(a - e))) for a, e in zip(got, each))
         # bit for bit on the GPU (the same instructions); the CPU interpreter's rounding differs between the two
         add_check(f"commit {n_layers} layers b{b}: one launch vs per layer (bit for bit)", diff, True,
@@ -552,10 +553,10 @@ def section_commit():
                                                 use_qk_l2norm_in_kernel=True)[1] for x in layers]
         add_check(f"commit {n_layers} layers b{b} vs reference", max(rel_err(a, r)[0] for a, r in zip(got, ref)),
                   all(bool(jnp.isfinite(a).all()) for a in got), 1e-5)
-        chain = lambda a, out: (*a[:4], *out)  # noqa: E731
+        chain = lambda a, out: (*a[:4 * nl], *out)  # noqa: E731
         nbytes = n_layers * gdn_bytes(b, t, hk, hv, d, False)
         for name, fn in (("per_layer", per_layer), ("one_launch", one_launch)):
-            sec = guarded(f"commit {name} b{b}", time_jax, fn, k, v, g, beta, *states, chain=chain)
+            sec = guarded(f"commit {name} b{b}", time_jax, fn, *args, chain=chain)
             if sec:
                 record("gdn_commit", dict(b=b, t=t, hv=hv, layers=n_layers), name, sec, nbytes)
 

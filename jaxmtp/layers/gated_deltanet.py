@@ -62,8 +62,7 @@ class GDNCarry:
 @struct.dataclass
 class GDNSteps:
     """A verify window, kept until its accepted length is known: ``state [B, Hv, dk, dv]`` and ``ring [B, K, C]``
-    before the window; ``inputs [B, T, >= C]``, the window's raw conv inputs in its first C columns (the fused input
-    projection's output as it is, or the conv inputs alone); the conv outputs
+    before the window; ``inputs [B, T, C]``, the window's raw conv inputs (carry dtype); the conv outputs
     ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype, before the rule's L2 norm); the gates
     ``g, beta [B, T, Hv]`` (float32, 0 on padding tokens); ``start [B]``, the window's first position."""
 
@@ -98,7 +97,7 @@ def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla")
                             implementation=implementation)
     out = list(carry)
     for i, s, state in zip(at, steps, states):
-        out[i] = GDNCarry(ring_update(s.ring, s.inputs[..., : s.ring.shape[-1]], s.start, n_tokens), state)
+        out[i] = GDNCarry(ring_update(s.ring, s.inputs, s.start, n_tokens), state)
     return tuple(out)
 
 
@@ -215,7 +214,7 @@ def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_st
                        replay=step_states, implementation=implementation)
     mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
     y = out_proj(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv))
-    if step_states:  # the whole projection: the ring update reads the conv inputs' columns itself (no slice kernel)
-        return y, GDNSteps(carry.state, carry.conv, proj, *out, start)
+    if step_states:
+        return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
     state, ring = out
     return y, GDNCarry(ring, state)

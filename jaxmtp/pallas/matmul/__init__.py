@@ -50,10 +50,10 @@ DRAFT_ARGMAX_MAX_ROWS = 1
 # 13.2 / 18.0 / 14.1 us against 4.6 / 5.3 / 4.0 (H100, docs/performance.md run 15), so those stay with it.
 LAYER_GEMV_MAX_N = 65536
 LAYER_GEMV_MAX_ROWS = 1
-# Those one-row products also take the layer's norms and residual adds (:func:`layer_gemv_fuses`): the input
-# norm (a :class:`NormedRows` input) formed by every program from the whole row, the residual added after the
-# cast. In the k = 3 step each recursive draft pass then runs three launches fewer (the input norm, the
-# post-attention add + norm and the SwiGLU multiply) and the window's pass two (docs/performance.md, run 18).
+# Those one-row products also take the layer's norms and residual adds (:func:`layer_gemv_fuses`): a norm (a
+# :class:`NormedRows` input) through the row's sum of squares gathered while streaming K, the residual added after
+# the cast. In the k = 3 step each recursive draft pass then runs two launches fewer (the input norm, the
+# post-attention add + norm) and the window's pass one (docs/performance.md, run 18).
 FUSE_LAYER_NORMS = True
 
 

@@ -10,15 +10,14 @@ the GPU measurements).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, dense
 from jaxmtp.layers.norms import rms_norm as rms_norm_reference
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.pallas.norms.add_rms_norm_triton import (add_rms_norm_quantized_triton, add_rms_norm_triton,
                                                      rms_norm_triton, supports)
 from jaxmtp.pallas.norms.draft_input_triton import draft_input_triton, fc_input_triton
-from jaxmtp.pallas.norms.reference import add_rms_norm_reference, draft_input_reference, fc_input_reference
+from jaxmtp.pallas.norms.reference import (add_rms_norm_reference, draft_input_reference, fc_input_reference,
+                                          pass_positions)
 
 
 def add_rms_norm(x, y, weight, eps: float, *, implementation: str = "xla"):
@@ -58,10 +57,7 @@ def draft_input(vals, idx, embed, hidden, w_e, w_h, eps: float, *, implementatio
         return draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, length, active, offset=offset,
                                   interpret=implementation == TRITON_INTERPRET)
     out = draft_input_reference(vals, idx, embed, hidden, w_e, w_h, eps)
-    if position is None:
-        return out
-    length, active, offset = position
-    return (*out, jnp.where(active, length + offset, -1).astype(jnp.int32))
+    return out if position is None else (*out, pass_positions(*position))
 
 
 def fc_input(ids, embed, hidden, w_e, w_h, eps: float, *, implementation: str = "xla"):
@@ -78,4 +74,4 @@ def fc_input(ids, embed, hidden, w_e, w_h, eps: float, *, implementation: str = 
 
 __all__ = ["add_rms_norm", "add_rms_norm_quantized", "add_rms_norm_reference", "add_rms_norm_triton", "draft_input",
            "draft_input_reference", "draft_input_triton", "fc_input", "fc_input_reference", "fc_input_triton",
-           "rms_norm", "rms_norm_reference", "rms_norm_triton", "supports"]
+           "pass_positions", "rms_norm", "rms_norm_reference", "rms_norm_triton", "supports"]

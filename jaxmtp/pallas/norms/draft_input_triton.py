@@ -79,10 +79,11 @@ def _kernel(vals_ref, idx_ref, emb_ref, h_ref, we_ref, wh_ref, *refs, g, hdim, e
             pos = jnp.where(mx > best, first, jnp.where(mx == best, jnp.minimum(pos, first), pos))
             best = jnp.maximum(best, mx)
     tok = idx_ref[b, pl.ds(pos, 1)][0]
+    _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
+    # the small outputs last: a store before the row loads above would order them behind it (docs/kernels.md)
     ids_ref[pl.ds(b, 1)] = jnp.full((1,), tok, jnp.int32)
     if offset is not None:
         pos_ref[pl.ds(b, 1)] = row_pos.astype(jnp.int32)
-    _write_input(tok, b, emb_ref, h_ref, we_ref, wh_ref, out_ref, hdim, eps)
 
 
 def _ids_kernel(ids_ref, emb_ref, h_ref, we_ref, wh_ref, out_ref, *, hdim, eps):

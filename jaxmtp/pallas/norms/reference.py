@@ -34,3 +34,9 @@ def draft_input_reference(vals: jax.Array, idx: jax.Array, embed: jax.Array, hid
     b = hidden.shape[0]
     d = argmax_from_partials(vals[:b], idx[:b]).astype(jnp.int32)
     return d, fc_input_reference(d, embed, hidden, w_e, w_h, eps)
+
+
+def pass_positions(length: jax.Array, active: jax.Array, offset: int) -> jax.Array:
+    """A recursive draft pass's positions ``where(active, length + offset, -1)`` [B] int32 (an idle row's pass writes
+    nothing), as :func:`.draft_input_triton.draft_input_triton` forms them in its kernel."""
+    return jnp.where(active, length + offset, -1).astype(jnp.int32)
