@@ -166,6 +166,11 @@ def test_epilogue_matches_combine_and_gate(rng, n_split, dtype):
     want = output_gate_reference(unpack_rows(o, t, hq).astype(dtype), gate)
     assert y.shape == want.shape and y.dtype == dtype
     assert_close(y, want, dtype, "y")
+    rows = jnp.asarray([2, 0], jnp.int32)  # one token's row per window: the same values, nothing else written
+    one = epilogue_triton(outs, proj, rows, hq=hq, d=d, interpret=True)
+    assert one.shape == (b, 1, hq * d)
+    np.testing.assert_array_equal(np.asarray(one, np.float32)[:, 0],
+                                  np.asarray(y, np.float32)[np.arange(b), np.asarray(rows)])
 
 
 def attention_layer(rng, cfg, dtype):
@@ -197,6 +202,13 @@ def test_gated_attention_with_fused_prelude_matches_xla(rng, t, dtype):
     assert_close(np.asarray(y, np.float32)[valid], np.asarray(y_ref, np.float32)[valid], dtype, "layer output")
     assert_close(got.k, want.k, dtype, "k cache")
     np.testing.assert_array_equal(np.asarray(got.v), np.asarray(want.v))
+    rows = jnp.asarray([t - 1, 0], jnp.int32)  # a window's pass: o_proj on one row, every row into the cache
+    y1, got1 = gated_attention(p, cfg, x, positions, cos, sin, cache, implementation="triton_interpret",
+                               prelude="triton_interpret", out_rows=rows)
+    assert y1.shape == (b, 1, cfg.hidden_size)
+    np.testing.assert_array_equal(np.asarray(y1, np.float32)[:, 0],
+                                  np.asarray(y, np.float32)[np.arange(b), np.asarray(rows)])
+    np.testing.assert_array_equal(np.asarray(got1.k), np.asarray(got.k))
 
 
 @pytest.mark.parametrize("d,rd,s,t", [(12, 4, 10, 1), (32, 12, 24, 2), (16, 4, 40, 17)])
@@ -211,16 +223,18 @@ def test_fused_gated_attention_falls_back(rng, d, rd, s, t):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_fused_gated_attention_lowers_at_model_shapes(t):
+@pytest.mark.parametrize("t,one_row", [(1, False), (4, False), (3, True)])
+def test_fused_gated_attention_lowers_at_model_shapes(t, one_row):
     """Qwen3.5 27B attention shapes (24/4 heads, head_dim 256, rotary dim 64, 32k cache) lower for CUDA: three
-    Triton launches (prelude, attention, epilogue)."""
+    Triton launches (prelude, attention, epilogue; with ``out_rows`` the epilogue picks the row)."""
     sds = jax.ShapeDtypeStruct
     b, hq, hkv, d, rd, s = 1, 24, 4, 256, 64, 32768
     bf16 = jnp.bfloat16
     args = (sds((b, t, 2 * (hq + hkv) * d), bf16), sds((d,), jnp.float32), sds((d,), jnp.float32),
             sds((rd // 2,), jnp.float32), sds((b, hkv, s, d), bf16),
             sds((b, hkv, s, d), bf16), sds((b, t), jnp.int32))
-    fn = lambda *a: fused_gated_attention(*a, hq=hq, hkv=hkv, d=d, eps=1e-6, implementation="triton")  # noqa: E731
+    rows = jnp.zeros((b,), jnp.int32) if one_row else None
+    fn = lambda *a: fused_gated_attention(*a, hq=hq, hkv=hkv, d=d, eps=1e-6, implementation="triton",  # noqa: E731
+                                          out_rows=rows)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3

@@ -67,8 +67,8 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache
         y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"],
                                         rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), cache.k, cache.v, positions,
                                         hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps, implementation=prelude,
-                                        attention=implementation)
-        return o_proj(take_rows(y, out_rows)), KVCache(k, v)
+                                        attention=implementation, out_rows=out_rows)
+        return o_proj(y), KVCache(k, v)  # y: the out_rows row alone already (the epilogue picks it)
     q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
                                       cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)
     o = cached_attention(q, k, v, positions, implementation=implementation)

@@ -42,10 +42,11 @@ def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementa
 
 
 def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
-                          implementation="xla", attention=None):
+                          implementation="xla", attention=None, out_rows=None):
     """Gated attention of a decode / verify window from the fused projection ``proj [B, T, P]`` (serving layout's
     ``qkv_proj``, :func:`split_qkv`; ``inv_freq`` [rotary_dim / 2]: :func:`jaxmtp.layers.rope.rope_inv_freq`; other
-    inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in proj.dtype, k_cache, v_cache).
+    inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in proj.dtype, k_cache, v_cache); with
+    ``out_rows`` [B] int32 y is [B, 1, Hq*D], that row of each window (every row still enters the cache).
 
     ``implementation`` ``"triton"`` / ``"triton_interpret"`` runs :mod:`.prelude_triton` where
     :func:`.prelude_triton.supported` allows; otherwise (and for any other name) the reference steps run, with
@@ -56,13 +57,16 @@ def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, posi
         if prelude_triton.supported(t=proj.shape[1], hq=hq, hkv=hkv, d=d, rd=2 * inv_freq.shape[-1],
                                     s=k_cache.shape[2], p=proj.shape[-1]):
             return prelude_triton.gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache,
-                                                         positions, hq=hq, hkv=hkv, d=d, eps=eps,
+                                                         positions, out_rows, hq=hq, hkv=hkv, d=d, eps=eps,
                                                          interpret=interpret_arg(implementation))
     cos, sin = rope_cos_sin(jnp.maximum(positions, 0), inv_freq)
     q, gate, k_cache, v_cache = prelude_reference(*split_qkv(proj, hq=hq, hkv=hkv, d=d), q_norm, k_norm, cos, sin,
                                                   k_cache, v_cache, positions, hq=hq, hkv=hkv, d=d, eps=eps)
     o = cached_attention(q, k_cache, v_cache, positions, implementation=attention or implementation)
-    return output_gate_reference(o, gate), k_cache, v_cache
+    y = output_gate_reference(o, gate)
+    if out_rows is not None:
+        y = jnp.take_along_axis(y, out_rows.astype(jnp.int32)[:, None, None], axis=1)
+    return y, k_cache, v_cache
 
 
 __all__ = ["attention_reference", "cached_attention", "fused_gated_attention", "output_gate_reference",

@@ -139,10 +139,16 @@ def prelude_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, 
       k_cache, v_cache)
 
 
-def _epilogue_kernel(gate_ref, *refs, grp):
+def _epilogue_kernel(gate_ref, *refs, grp, one_row):
     *in_refs, y_ref = refs
     f32, dtype = jnp.float32, y_ref.dtype
-    row = pl.program_id(2) * grp + pl.program_id(1) % grp  # token i, query head q: packed row i * G + q % G
+    if one_row:  # the row's token index comes first; gate_ref holds the gate columns of every token
+        i_ref, *in_refs = in_refs
+        i = i_ref[0]
+        gate_in = gate_ref[i, :]
+    else:
+        i, gate_in = pl.program_id(2), gate_ref[...]
+    row = i * grp + pl.program_id(1) % grp  # token i, query head q: packed row i * G + q % G
     if len(in_refs) == 1:
         o = in_refs[0][row, :]
     else:  # combine the splits, as combine_splits
@@ -151,15 +157,16 @@ def _epilogue_kernel(gate_ref, *refs, grp):
         w = jnp.exp(m - jnp.max(m))
         l_all = jnp.sum(w * l)
         o = jnp.sum(w[:, None] * acc_ref[:, row, :], axis=0) / jnp.where(l_all > 0, l_all, 1.0)
-    gate = jax.nn.sigmoid(gate_ref[...].astype(f32)).astype(dtype)
+    gate = jax.nn.sigmoid(gate_in.astype(f32)).astype(dtype)
     y_ref[...] = (o.astype(dtype).astype(f32) * gate.astype(f32)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("hq", "d", "interpret"))
-def epilogue_triton(outs, proj, *, hq, d, interpret=False):
+def epilogue_triton(outs, proj, out_rows=None, *, hq, d, interpret=False):
     """outs: :func:`.decode_triton.attention_core`'s outputs (one split: ``(o,)``; else ``(acc, m, l)`` with NS a
     power of two); proj [B, T, P] (its gate columns). Returns y [B, T, Hq*D] in proj.dtype: the combined output
-    rounded to proj.dtype times ``sigmoid(gate)``, as :func:`.reference.output_gate_reference`."""
+    rounded to proj.dtype times ``sigmoid(gate)``, as :func:`.reference.output_gate_reference`. ``out_rows`` [B]
+    int32: only that token's row of each window, y [B, 1, Hq*D] (no row selection after it)."""
     b, t, _ = proj.shape
     hkv, mp = outs[0].shape[1], outs[0].shape[-2]
     grp = hq // hkv
@@ -173,11 +180,19 @@ def epilogue_triton(outs, proj, *, hq, d, interpret=False):
         in_specs = [pl.BlockSpec((None, None, ns, mp, d), lambda bi, q, i: (*lead(bi, q), 0, 0, 0)),
                     pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0)),
                     pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0))]
+    one_row = out_rows is not None
+    if one_row:  # every token's gate columns of the head; the kernel loads its row's
+        gate_spec = pl.BlockSpec((None, t, d), lambda bi, q, i: (bi, 0, 2 * q + 1))
+        in_specs = [pl.BlockSpec((None, 1), lambda bi, q, i: (bi, 0))] + in_specs
+        outs = (out_rows.astype(jnp.int32).reshape(b, 1), *outs)
+    else:
+        gate_spec = pl.BlockSpec((None, None, d), lambda bi, q, i: (bi, i, 2 * q + 1))
+    t_out = 1 if one_row else t
     return pl.pallas_call(
-        functools.partial(_epilogue_kernel, grp=grp),
-        out_shape=jax.ShapeDtypeStruct((b, t, hq * d), proj.dtype),
-        grid=(b, hq, t),
-        in_specs=[pl.BlockSpec((None, None, d), lambda bi, q, i: (bi, i, 2 * q + 1))] + in_specs,
+        functools.partial(_epilogue_kernel, grp=grp, one_row=one_row),
+        out_shape=jax.ShapeDtypeStruct((b, t_out, hq * d), proj.dtype),
+        grid=(b, hq, t_out),
+        in_specs=[gate_spec] + in_specs,
         out_specs=pl.BlockSpec((None, None, d), lambda bi, q, i: (bi, i, q)),
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
@@ -194,10 +209,11 @@ def supported(*, t, hq, hkv, d, rd, s, p) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "interpret"))
-def gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
-                           interpret=False):
+def gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, out_rows=None, *, hq, hkv,
+                           d, eps, interpret=False):
     """Prelude, attention launch and epilogue: (y [B, T, Hq*D], k_cache, v_cache), the contract of
-    :func:`jaxmtp.pallas.attention.fused_gated_attention` (shapes: :func:`supported`)."""
+    :func:`jaxmtp.pallas.attention.fused_gated_attention` (shapes: :func:`supported`; ``out_rows``: y [B, 1, Hq*D],
+    that row of each window, from the epilogue)."""
     b, t, _ = proj.shape
     bm, bs, n_split = plan(b, t, hq, hkv, k_cache.shape[2])
     # a power of two for the epilogue's [NS, D] tiles: rounded up to at most MAX_SPLITS (a split past the last kv
@@ -208,4 +224,4 @@ def gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, pos
                                                hq=hq, hkv=hkv, d=d, eps=eps, mp=mp, interpret=interpret)
     outs = attention_core(qr, pos, k_cache, v_cache, scale=d**-0.5, block_rows=bm, block_kv=bs, n_split=n_split,
                           interpret=interpret)
-    return epilogue_triton(outs, proj, hq=hq, d=d, interpret=interpret), k_cache, v_cache
+    return epilogue_triton(outs, proj, out_rows, hq=hq, d=d, interpret=interpret), k_cache, v_cache
