@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxmtp.pallas.matmul as matmul_mod
-from jaxmtp.pallas._common import SplitSum, dense
+from jaxmtp.pallas._common import NormedRows, SplitSum, dense
 from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas.matmul import (gemv_matmul_triton, linear, matmul_reference, output_linear,
@@ -74,6 +74,38 @@ def test_gemv_kernel_matches_float64(rng, m, k, n, transpose_w, splits, bn, bk, 
 def _swiglu64(x, width):
     g, u = np.asarray(x[..., :width], np.float64), np.asarray(x[..., width : 2 * width], np.float64)
     return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("m,norm", [(1, False), (1, True), (2, True)])
+def test_gemv_swiglu_epilogue_matches_float64(rng, m, norm):
+    """glu_width I with an int8 gate|up weight (rows [0, I) gate, [I, 2I) up, padding rows after them): silu(gate) *
+    up of the two scaled products, with and without the input norm formed inside, against float64; and through
+    layer_swiglu, which picks the kernel only where its slabs tile I."""
+    k, i = 256, 48
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+    q = jnp.asarray(rng.integers(-128, 128, (2 * i + 16, k)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, 2 * i + 16), jnp.float32)
+    nw = jnp.asarray(rng.standard_normal(k) * 0.1, jnp.float32)
+    kw = dict(norm_weight=nw, norm_eps=1e-6) if norm else {}
+    y = gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=jnp.bfloat16, glu_width=i, block_n=8,
+                           interpret=True, **kw)
+    x64 = np.asarray(x, np.float64)
+    if norm:
+        x64 = x64 * (1 + np.asarray(nw, np.float64)) / np.sqrt(np.mean(x64**2, -1, keepdims=True) + 1e-6)
+    prod = x64 @ np.asarray(q, np.float64).T * np.asarray(scale, np.float64)
+    want = _swiglu64(prod, i)
+    assert y.shape == (m, i) and y.dtype == jnp.bfloat16
+    # the two products are rounded to bfloat16 before the SwiGLU, the result once more
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-6, atol=2**-6 * np.abs(want).max())
+    x_in = NormedRows(x, nw, 1e-6, "triton_interpret") if norm else x
+    via = matmul_mod.layer_swiglu(x_in, {"weight": q, "scale": scale}, i, "triton_interpret")
+    if m <= matmul_mod.LAYER_GEMV_MAX_ROWS:
+        np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(y, np.float32))
+    else:
+        assert via is None
+    assert matmul_mod.layer_swiglu(x_in, {"weight": q, "scale": scale}, i, "xla") is None
+    with pytest.raises(ValueError, match="unsupported gemv"):
+        gemv_matmul_triton(x, q, scale, transpose_w=True, glu_width=q.shape[0], interpret=True)  # 2I > N
 
 
 @pytest.mark.parametrize("m,k,n,bn,bk,extra", [(1, 256, 48, 2, 128, 0), (3, 384, 40, 8, 128, 128),
@@ -149,22 +181,30 @@ def test_output_linear_dispatch(rng, monkeypatch, swiglu):
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_output_linear_returns_split_sums_when_asked(rng, swiglu):
-    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows and no SwiGLU: the tensor-core kernel split along K returns
-    its float32 partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); one row, a SwiGLU,
-    the "xla" name, or a caller that takes no partials get the array."""
+def test_output_linear_returns_split_sums_when_asked(rng, monkeypatch, swiglu):
+    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows: the tensor-core kernel split along K returns its float32
+    partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); with a SwiGLU only while
+    OUTPUT_SPLIT_SWIGLU_APART (the SwiGLU formed before the kernel). One row, the "xla" name, or a caller that takes
+    no partials get the array."""
     k, n = 512, 64
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
     for rows in (1, 2, matmul_mod.OUTPUT_SPLIT_MAX_ROWS):
         x = jnp.asarray(rng.standard_normal((1, rows, 2 * k if swiglu else k)), jnp.bfloat16)
         want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
         y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation="triton_interpret", partials=True)
-        assert isinstance(y, SplitSum) == (rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS and not swiglu)
+        split = rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS
+        assert isinstance(y, SplitSum) == (split and (matmul_mod.OUTPUT_SPLIT_SWIGLU_APART or not swiglu))
         if isinstance(y, SplitSum):
             assert y.parts.shape[0] > 1 and y.parts.shape[1:] == (1, rows, n) and y.parts.dtype == jnp.float32
             assert y.dtype == jnp.bfloat16
+            # the SwiGLU is rounded to bfloat16 before the product, as on XLA's path
             np.testing.assert_allclose(np.asarray(y.parts, np.float64).sum(0), want, rtol=0, atol=2e-2)
         np.testing.assert_allclose(np.asarray(dense(y), np.float64), want, rtol=2 ** -7, atol=2e-2)
+        if split and swiglu:  # and without it the SwiGLU stays with XLA's product
+            monkeypatch.setattr(matmul_mod, "OUTPUT_SPLIT_SWIGLU_APART", False)
+            assert not isinstance(matmul_mod.output_linear(x, w_t, swiglu=True, implementation="triton_interpret",
+                                                           partials=True), SplitSum)
+            monkeypatch.undo()
         for kw in (dict(implementation="xla", partials=True), dict(implementation="triton_interpret")):
             assert not isinstance(matmul_mod.output_linear(x, w_t, swiglu=swiglu, **kw), SplitSum)
 

@@ -373,8 +373,8 @@ def test_int8_mtp_layer_tracks_the_exact_layer(rng, moe):
 
 def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
     """The quantised MTP layer on the kernel backend (Pallas interpreter): in a recursive pass (one row) the qkv
-    product forms the input norm, o_proj adds the residual and gate|up forms the post-attention norm; in a window's
-    pass (three rows, drafting from one) the last two. The hidden, the drafted id and
+    product forms the input norm, o_proj adds the residual and gate|up forms the post-attention norm and the SwiGLU;
+    in a window's pass (three rows, drafting from one) the last two. The hidden, the drafted id and
     the carry match those with the norms as launches of their own (FUSE_LAYER_NORMS off; the fused products skip the
     normed rows' rounding to bf16) and the XLA path on the same int8 weights."""
     cfg = _config(False).replace(hidden_size=128, vocab_size=4000, intermediate_size=128)
@@ -387,7 +387,7 @@ def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
     calls = []
     real = matmul_mod.gemv_matmul_triton
     monkeypatch.setattr(matmul_mod, "gemv_matmul_triton", lambda *a, **kw: calls.append(
-        tuple(name for name in ("norm_weight", "residual", "swiglu") if kw.get(name) is not None
+        tuple(name for name in ("norm_weight", "residual", "swiglu", "glu_width") if kw.get(name) is not None
               and kw.get(name) is not False)) or real(*a, **kw))
     b, t = 1, 3
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
@@ -395,8 +395,9 @@ def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
     pos = jnp.asarray([[5, 6, 7]], jnp.int32)
     carry = init_mtp_carry(cfg, b, 16, jnp.bfloat16)
     carry = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), carry)  # a filled cache
-    for sl, rows, want_calls in ((slice(0, 1), None, [(), ("norm_weight",), ("residual",), ("norm_weight",), ()]),
-                                 (slice(0, t), jnp.asarray([1], jnp.int32), [("residual",), ("norm_weight",), ()])):
+    glu = ("norm_weight", "glu_width")  # gate|up forms the post-attention norm and the SwiGLU
+    for sl, rows, want_calls in ((slice(0, 1), None, [(), ("norm_weight",), ("residual",), glu, ()]),
+                                 (slice(0, t), jnp.asarray([1], jnp.int32), [("residual",), glu, ()])):
         kw = dict(cfg=cfg, out_rows=rows, logits="choice")
         outs = {}
         for fuse in (True, False):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import output_product, project
-from jaxmtp.pallas.matmul import linear, output_linear
+from jaxmtp.layers.projections import output_product, part_widths, project
+from jaxmtp.pallas.matmul import layer_swiglu, linear, output_linear
 from jaxmtp.pallas.moe import moe_experts
 
 
@@ -22,14 +22,19 @@ def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_matmul: str = "xla", par
     ``out_matmul`` down_proj's when it is stored transposed (then, with gate|up fused, the kernel forms the SwiGLU;
     ``partials``: it may return a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm). x may be
     a :class:`jaxmtp.pallas._common.NormedRows` (the post-attention norm, formed by the gate|up product). An int8
-    down_proj (the quantised MTP layer) keeps the SwiGLU as an XLA kernel: formed inside its one-row product it took
-    6.1-6.3 us against 4.2 + 1.4 (H100, runs 15 and 18), which one launch fewer does not clearly repay."""
+    down_proj (the quantised MTP layer) does not form the SwiGLU: inside its one-row product that took 6.1-6.3 us
+    against 4.2 + 1.4 (H100, runs 15 and 18). The int8 gate|up product forms it instead where
+    :func:`jaxmtp.pallas.matmul.layer_swiglu` runs."""
     mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
     if "down_proj_t" in p and "gate_up_proj" in p:
         return output_linear(mm(x, p["gate_up_proj"]), p["down_proj_t"], swiglu=True, implementation=out_matmul,
                              partials=partials)
-    gate, up = project(p, x, "gate_up_proj", mm)
-    return output_product(p, "down_proj", jax.nn.silu(gate) * up, mm, out_matmul, partials)
+    fused = layer_swiglu(x, p["gate_up_proj"], part_widths(None, "gate_up_proj", p)[0], matmul) if (
+        "gate_up_proj" in p) else None
+    if fused is None:
+        gate, up = project(p, x, "gate_up_proj", mm)
+        fused = jax.nn.silu(gate) * up
+    return output_product(p, "down_proj", fused, mm, out_matmul, partials)
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):

@@ -16,6 +16,7 @@ from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, NormedRows
 from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize_rows_int8, quantized_matmul_reference,
                                             swiglu_reference, w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
+from jaxmtp.pallas.matmul.gemv_triton import plan as gemv_plan
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
 from jaxmtp.pallas.matmul.skinny_triton import (MAX_ROWS, output_plan, partials_plan, skinny_matmul_triton,
                                                 supports)
@@ -50,11 +51,19 @@ DRAFT_ARGMAX_MAX_ROWS = 1
 # 13.2 / 18.0 / 14.1 us against 4.6 / 5.3 / 4.0 (H100, docs/performance.md run 15), so those stay with it.
 LAYER_GEMV_MAX_N = 65536
 LAYER_GEMV_MAX_ROWS = 1
+# Those products with more rows (the window's pass: its fc and qkv over the verify window) run the tensor-core kernel,
+# the column scale applied after it by XLA (one more kernel). XLA's own product (the int8 widening and the scale
+# inside its one fusion) was no faster: 0.8B k = 3 1.690 against 1.694 ms (H100, docs/performance.md run 19).
 # Those one-row products also take the layer's norms and residual adds (:func:`layer_gemv_fuses`): a norm (a
 # :class:`NormedRows` input) through the row's sum of squares gathered while streaming K, the residual added after
 # the cast. In the k = 3 step each recursive draft pass then runs two launches fewer (the input norm, the
 # post-attention add + norm) and the window's pass one (docs/performance.md, run 18).
 FUSE_LAYER_NORMS = True
+# The one-row int8 gate|up product forms the SwiGLU too (:func:`layer_swiglu`): each program reads matching slabs
+# of the gate and up rows, so the activation is no kernel of its own (one launch fewer per recursive draft pass and
+# in the window's pass). H100, 0.8B (docs/performance.md run 19): 5.9 us against 5.3 + 1.2; the k = 3 step within
+# its rounds' spread (1.694 against 1.686 ms without).
+FUSE_LAYER_SWIGLU = True
 
 
 def is_quantized(w) -> bool:
@@ -68,6 +77,21 @@ def layer_gemv_fuses(rows: int, w, implementation: str) -> bool:
     input norm (a :class:`NormedRows` x) and residual add inside it (``FUSE_LAYER_NORMS``)."""
     return (FUSE_LAYER_NORMS and is_quantized(w) and w["weight"].dtype == jnp.int8
             and _layer_gemv_shape(rows, w["weight"].shape[1], w["weight"], implementation))
+
+
+def layer_swiglu(x, w, width: int, implementation: str = "xla"):
+    """``silu(x @ gate) * (x @ up)`` [..., width] for a quantised gate|up weight (gate rows ``[0, width)``, up rows
+    ``[width, 2 width)``) in one multiply-add kernel where :func:`layer_gemv_fuses` and ``FUSE_LAYER_SWIGLU`` allow
+    (x a :class:`NormedRows` or an array); None elsewhere (the caller forms the product and the SwiGLU itself)."""
+    rows = math.prod(x.shape[:-1])
+    if not (FUSE_LAYER_SWIGLU and is_quantized(w) and layer_gemv_fuses(rows, w, implementation)):
+        return None
+    bn = gemv_plan(x.shape[-1], w["weight"].shape[0], True, w["weight"].dtype, rows)[0]
+    if width % bn or 2 * width > w["weight"].shape[0]:
+        return None
+    norm = dict(norm_weight=x.weight, norm_eps=x.eps) if isinstance(x, NormedRows) else {}
+    return gemv_matmul_triton(x.x if norm else x, w["weight"], w["scale"], transpose_w=True, out_dtype=x.dtype,
+                              glu_width=width, interpret=implementation == TRITON_INTERPRET, **norm)
 
 
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla"):
@@ -112,6 +136,12 @@ OUTPUT_SPLIT_MAX_ROWS = 4
 # row, one program per row. H100 (run 16): with the usual plan's 16-28 splits that kernel took 3-4.4 us instead of
 # 1.5.
 OUTPUT_SPLIT_MAX_SPLITS = 4
+# With the SwiGLU (the MLP's down_proj) those rows still run the split kernel, the SwiGLU formed first by XLA (one
+# elementwise kernel, as on XLA's own path) rather than inside the kernel (the 24 us above): the product's split-K sum
+# then happens in the add + norm kernel, where XLA ran a separate reduction kernel after its product. H100, 0.8B k = 3
+# (docs/performance.md run 19): 24 kernels fewer per step, down_proj 5.2-6.7 us against XLA's 5.3 + 1.2, the step
+# 1.694 against 1.757 ms in one process's alternating rounds (lower in all 8); 4B unchanged (4.536 against 4.544).
+OUTPUT_SPLIT_SWIGLU_APART = True
 
 
 def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", partials: bool = False,
@@ -141,12 +171,12 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", 
             and gemv_supports(rows, kdim, w_t.shape[0], True, w_t.dtype)):
         return gemv_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, interpret=implementation == TRITON_INTERPRET)
     n = w_t.shape[0]
-    if (partials and not swiglu and implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SPLIT_MAX_ROWS
-            and supports(rows, kdim, n)):
+    if (partials and (OUTPUT_SPLIT_SWIGLU_APART or not swiglu) and implementation in (TRITON, TRITON_INTERPRET)
+            and rows <= OUTPUT_SPLIT_MAX_ROWS and supports(rows, kdim, n)):
         bn, bk, splits = partials_plan(rows, kdim, n, OUTPUT_SPLIT_MAX_SPLITS)
         if splits > 1:
-            return skinny_matmul_triton(x, w_t, transpose_w=True, swiglu=swiglu, mask_rows=True, partials=True,
-                                        block_n=bn, block_k=bk, splits=splits,
+            return skinny_matmul_triton(swiglu_reference(x, kdim) if swiglu else x, w_t, transpose_w=True,
+                                        mask_rows=True, partials=True, block_n=bn, block_k=bk, splits=splits,
                                         interpret=implementation == TRITON_INTERPRET)
     if implementation in (TRITON, TRITON_INTERPRET) and rows <= OUTPUT_SKINNY_MAX_ROWS and supports(rows, kdim, n):
         bn, bk, warps, stages = output_plan(kdim, n)
@@ -231,6 +261,6 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla"):
 
 
 __all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized",
-           "layer_gemv_fuses", "linear", "matmul_reference", "output_linear", "quantized_argmax",
+           "layer_gemv_fuses", "layer_swiglu", "linear", "matmul_reference", "output_linear", "quantized_argmax",
            "quantized_argmax_partials", "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton",
            "supports", "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference", "w4a8_matmul_triton"]

@@ -99,10 +99,12 @@ def _row(x_ref, r, off, bk, swiglu, nw_ref=None):
 
 
 def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, swiglu, scaled=False, norm_eps=None,
-            residual=False):
-    """refs: ``[scale], [norm weight], [residual], out`` (see :func:`gemv_matmul_triton`)."""
+            residual=False, glu=False):
+    """refs: ``[up weight], [scale], [up scale], [norm weight], [residual], out`` (see :func:`gemv_matmul_triton`;
+    ``glu``: a second view of W, the up rows, and of the scale)."""
     refs = list(refs)
-    scale_ref = refs.pop(0) if scaled else None
+    w_refs = [w_ref] + ([refs.pop(0)] if glu else [])
+    scale_refs = [refs.pop(0) for _ in w_refs] if scaled else [None] * len(w_refs)
     nw_ref = refs.pop(0) if norm_eps is not None else None
     res_ref = refs.pop(0) if residual else None
     [o_ref] = refs
@@ -116,26 +118,34 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
 
     def body(i, carry):
         off = pl.multiple_of(k0 + i * bk, bk)
-        if nw_ref is not None:  # the rows' sums of squares ride along: the norm's row scale needs no prologue
-            accs, sqs = carry
-            xs = [x_ref[r, pl.ds(off, bk)].astype(f32) for r in range(m)]
-            return products(off, accs), tuple(sq + x * x for sq, x in zip(sqs, xs))
-        return products(off, carry)
+        accs, sqs = carry if nw_ref is not None else (carry, None)
+        new = products(off, accs)
+        if nw_ref is None:
+            return new
+        # the rows' sums of squares ride along: the norm's row scale needs no prologue
+        xs = [x_ref[r, pl.ds(off, bk)].astype(f32) for r in range(m)]
+        return new, tuple(sq + x * x for sq, x in zip(sqs, xs))
 
     def products(off, accs):
+        """accs: m accumulators per weight view, the views in order."""
         if int4:
             b = w_ref[:, pl.ds(pl.multiple_of(off // 2, HALF), HALF)].astype(jnp.int32)
             lo, hi = _widen(b & 15, 8, unpack), _widen(b >> 4, 8, unpack)
             return tuple(acc + lo * x_ref[r, pl.ds(off, HALF)].astype(f32)[None, :]
                          + hi * x_ref[r, pl.ds(off + HALF, HALF)].astype(f32)[None, :] for r, acc in enumerate(accs))
-        if transpose_w:
-            w = w_ref[:, pl.ds(off, bk)]
-            w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
-            return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, nw_ref)[None, :] for r, acc in enumerate(accs))
-        w = w_ref[pl.ds(off, bk), :].astype(f32)
-        return tuple(acc + w * _row(x_ref, r, off, bk, swiglu, nw_ref)[:, None] for r, acc in enumerate(accs))
+        rows = [_row(x_ref, r, off, bk, swiglu, nw_ref) for r in range(m)]
+        out = []
+        for v, wr in enumerate(w_refs):
+            if transpose_w:
+                w = wr[:, pl.ds(off, bk)]
+                w = _widen(w.astype(jnp.int32) + 128, 128, unpack) if w.dtype == jnp.int8 else w.astype(f32)
+                out += [acc + w * x[None, :] for acc, x in zip(accs[v * m : (v + 1) * m], rows)]
+            else:
+                w = wr[pl.ds(off, bk), :].astype(f32)
+                out += [acc + w * x[:, None] for acc, x in zip(accs[v * m : (v + 1) * m], rows)]
+        return tuple(out)
 
-    init = tuple(jnp.zeros(shape, f32) for _ in range(m))
+    init = tuple(jnp.zeros(shape, f32) for _ in range(m * len(w_refs)))
     if nw_ref is not None:
         init = (init, tuple(jnp.zeros((bk,), f32) for _ in range(m)))
     accs = lax.fori_loop(0, k_per_split // bk, body, init)
@@ -143,22 +153,30 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, unpack, 
     if nw_ref is not None:
         accs, sqs = accs
         inv = [lax.rsqrt(jnp.sum(sq) / k_per_split + norm_eps) for sq in sqs]
-    scale = None if scale_ref is None else scale_ref[...]
-    for r, acc in enumerate(accs):
-        total = jnp.sum(acc, axis=1 if transpose_w else 0)
+    scales = [None if r is None else r[...] for r in scale_refs]
+
+    def column(v, r):
+        """Row r's outputs of weight view v, scaled (norm, column scale) and cast."""
+        total = jnp.sum(accs[v * m + r], axis=1 if transpose_w else 0)
         if inv[r] is not None:
             total = total * inv[r]
-        out = (total if scale is None else total * scale).astype(o_ref.dtype)
+        return (total if scales[v] is None else total * scales[v]).astype(o_ref.dtype)
+
+    for r in range(m):
+        out = column(0, r)
+        if glu:  # silu(gate) * up of the two rounded products, as the model forms it from them
+            out = swiglu_tile(out.astype(f32), column(1, r).astype(f32), o_ref.dtype)
         if res_ref is not None:  # the residual add, as the model's own add rounds it
             out = (res_ref[r, :].astype(f32) + out.astype(f32)).astype(o_ref.dtype)
         o_ref[r, :] = out
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "unpack", "swiglu", "norm_eps", "interpret"))
+                                             "num_warps", "num_stages", "unpack", "swiglu", "norm_eps", "glu_width",
+                                             "interpret"))
 def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None,
                        splits=None, num_warps=None, num_stages=None, unpack="magic", swiglu=False, norm_weight=None,
-                       norm_eps=None, residual=None, interpret=False):
+                       norm_eps=None, residual=None, glu_width=None, interpret=False):
     """x [..., K] (1-4 rows in all); w [K, N], or [N, K] / int8 [N, K] / packed int4 uint8 [N, K/2] with
     ``transpose_w``. Returns ``x @ W`` [..., N] in ``out_dtype`` (default x.dtype; quantised weights give the
     unscaled float32 product of the integer values). ``scale`` (float32 [N], one split only): each column's float32
@@ -172,7 +190,11 @@ def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, b
     first, so the two differ in the last bits). The layer's input norm then needs no launch of its own and the
     product no prologue.
     ``residual`` [..., N] (``out_dtype``): returns ``residual + x @ W``, added after the cast and rounded again, as the
-    model's residual add does (a block's output product that hands its sum to the next norm). Both: one split."""
+    model's residual add does (a block's output product that hands its sum to the next norm). Both: one split.
+    ``glu_width`` I (``transpose_w``, one split; W's rows ``[0, I)`` the gate's, ``[I, 2I)`` the up projection's):
+    returns ``silu(gate) * up`` [..., I], each product scaled and rounded to ``out_dtype`` first, as the SwiGLU after
+    a gate|up product is formed: each program reads matching slabs of both halves, so the activation needs no
+    kernel of its own."""
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
     m = math.prod(lead)
@@ -184,26 +206,29 @@ def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, b
                                             or x.shape[-1] != kdim or int4)
     quantised = jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8)
     out_dtype = jnp.dtype(out_dtype or (jnp.float32 if quantised else x.dtype))
-    bad_residual = residual is not None and (residual.shape != (*lead, n) or residual.dtype != out_dtype)
+    n_out = glu_width or n
+    bad_residual = residual is not None and (residual.shape != (*lead, n_out) or residual.dtype != out_dtype)
+    bad_glu = glu_width is not None and (not transpose_w or int4 or swiglu or 2 * glu_width > n)
     if (not supports(m, kdim, n, transpose_w, w.dtype) or (int4 and w.shape[1] * 2 != kdim) or bad_swiglu
-            or bad_scale or bad_norm or bad_residual):
+            or bad_scale or bad_norm or bad_residual or bad_glu):
         raise ValueError(f"unsupported gemv: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, transpose_w={transpose_w}"
                          f", swiglu={swiglu}, scale {None if scale is None else (scale.shape, scale.dtype)}, norm "
                          f"{None if norm_weight is None else (norm_weight.shape, norm_eps)}, residual "
-                         f"{None if residual is None else (residual.shape, residual.dtype)}")
+                         f"{None if residual is None else (residual.shape, residual.dtype)}, glu_width={glu_width}")
     bn0, bk0, s0, nw0, st0 = plan(kdim, n, transpose_w, w.dtype, m)
     bn, bk, ns = block_n or bn0, block_k or bk0, splits or s0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
-    one_split_only = scale is not None or norm_weight is not None or residual is not None
-    if n % bn or kdim % (bk * ns) or (one_split_only and ns != 1):
-        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n}] (or split a product with "
-                         f"a scale, norm or residual)")
+    one_split_only = scale is not None or norm_weight is not None or residual is not None or glu_width is not None
+    if n_out % bn or kdim % (bk * ns) or (one_split_only and ns != 1):
+        raise ValueError(f"tiles BN={bn}, BK={bk}, splits={ns} do not divide [{kdim}, {n_out}] (or split a product "
+                         f"with a scale, norm, residual or SwiGLU)")
     kernel = functools.partial(_kernel, m=m, bk=bk, k_per_split=kdim // ns, transpose_w=transpose_w, int4=int4,
                                unpack=unpack, swiglu=kdim if swiglu else 0, scaled=scale is not None,
-                               norm_eps=None if norm_weight is None else float(norm_eps), residual=residual is not None)
+                               norm_eps=None if norm_weight is None else float(norm_eps), residual=residual is not None,
+                               glu=glu_width is not None)
     return launch_row_kernel(kernel, x, w, rows=next_pow2(m), block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or nw0, num_stages=num_stages or st0,
                              interpret=interpret, name="gemv", column_scale=scale,
                              row_weight=None if norm_weight is None else norm_weight.astype(jnp.float32),
-                             residual=residual)
+                             residual=residual, glu_width=glu_width)

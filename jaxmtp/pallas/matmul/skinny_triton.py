@@ -158,22 +158,28 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
-                      interpret, name, pad=True, column_scale=None, partials=False, row_weight=None, residual=None):
+                      interpret, name, pad=True, column_scale=None, partials=False, row_weight=None, residual=None,
+                      glu_width=None):
     """The launch both few-row kernels share: x [..., K] (or wider: the kernel picks its columns) padded to ``rows``
     rows (``pad=False``: not padded, the kernel masks the missing rows), grid ``(N / block_n, splits)``, program j
     reading W's column (or, ``transpose_w``, row) slab j whole, writing ``[rows, block_n]`` of the output (float32
     partials per split, summed here, or with ``partials`` returned as a :class:`SplitSum`). Optional inputs follow W
     in this order (one split only): ``column_scale`` [N], its ``block_n`` slice per program; ``row_weight`` [K],
-    whole in every program; ``residual`` [..., N] (x's rows, padded like x), its ``[rows, block_n]`` slice. Returns
-    [..., N] in ``out_dtype``."""
+    whole in every program; ``residual`` [..., N] (x's rows, padded like x), its ``[rows, block_n]`` slice.
+    ``glu_width`` I (``transpose_w``, one split): the output is I wide, program j's slab of W is followed by the
+    matching slab of W's rows ``[I, 2I)`` (and ``column_scale``'s slice by its matching slice). Returns [..., N] (I)
+    in ``out_dtype``."""
     lead, kdim = x.shape[:-1], x.shape[-1]
     m = math.prod(lead)
-    n = w.shape[0] if transpose_w else w.shape[1]
+    n = glu_width or (w.shape[0] if transpose_w else w.shape[1])
     x2 = x.reshape(m, kdim)
     if rows != m and pad:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
-    if splits != 1 and (column_scale is not None or row_weight is not None or residual is not None):
-        raise ValueError("column scales, row weights and residuals need one split along K")
+    if splits != 1 and (column_scale is not None or row_weight is not None or residual is not None or glu_width):
+        raise ValueError("column scales, row weights, residuals and paired slabs need one split along K")
+    if glu_width and (not transpose_w or glu_width % block_n):
+        raise ValueError(f"paired slabs need W stored [N, K] and I = {glu_width} a multiple of {block_n}")
+    views = (0, glu_width // block_n) if glu_width else (0,)  # slab offsets of W's views (the up rows second)
     w_spec = (pl.BlockSpec((block_n, w.shape[1]), lambda j, s: (j, 0)) if transpose_w
               else pl.BlockSpec((w.shape[0], block_n), lambda j, s: (0, j)))
     if splits == 1:
@@ -183,9 +189,13 @@ def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_d
         out_shape = jax.ShapeDtypeStruct((splits, rows if pad else m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j))
     in_specs, args = [pl.BlockSpec((rows, kdim), lambda j, s: (0, 0)), w_spec], [x2, w]
+    for v in views[1:]:
+        in_specs.append(pl.BlockSpec((block_n, w.shape[1]), lambda j, s, v=v: (j + v, 0)))
+        args.append(w)
     if column_scale is not None:
-        in_specs.append(pl.BlockSpec((block_n,), lambda j, s: (j,)))
-        args.append(column_scale)
+        for v in views:
+            in_specs.append(pl.BlockSpec((block_n,), lambda j, s, v=v: (j + v,)))
+            args.append(column_scale)
     if row_weight is not None:
         in_specs.append(pl.BlockSpec(row_weight.shape, lambda j, s: (0,)))
         args.append(row_weight)
