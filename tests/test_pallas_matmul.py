@@ -426,3 +426,20 @@ def test_int8_gemv_forms_the_norm_and_adds_the_residual(rng, m, k):
         gemv_matmul_triton(x, q, scale, norm_weight=nw[:128], norm_eps=eps, **kw)
     with pytest.raises(ValueError, match="unsupported gemv"):
         gemv_matmul_triton(x, q, scale, residual=res[:, :8], **kw)
+
+
+def test_skinny_column_scale_matches_float64_and_needs_one_split(rng):
+    """The tensor-core kernel with an int8 weight's column scale inside it (masked rows): the scaled product in the
+    activations' dtype; a scale with a floating weight or several splits along K is refused."""
+    m, k, n = 3, 256, 48
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    y = skinny_matmul_triton(x, q, scale, transpose_w=True, mask_rows=True, interpret=True)
+    want = np.asarray(x, np.float64) @ np.asarray(q, np.float64).T * np.asarray(scale, np.float64)
+    assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-8, atol=1e-6)
+    with pytest.raises(ValueError, match="column scale"):
+        skinny_matmul_triton(x, q, scale, transpose_w=True, splits=2, interpret=True)
+    with pytest.raises(ValueError, match="column scale"):
+        skinny_matmul_triton(x, q.astype(jnp.bfloat16), scale, transpose_w=True, interpret=True)

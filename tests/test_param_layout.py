@@ -117,8 +117,17 @@ def test_int8_rows_are_within_half_a_step(rng):
     np.testing.assert_allclose(np.asarray(sj), quantize_rows(w.astype(np.float32))[1], rtol=1e-7)
 
 
-@pytest.mark.parametrize("m,dtype", [(1, jnp.bfloat16), (5, jnp.bfloat16), (3, jnp.float32)])
-def test_int8_product_kernel_matches_float64(rng, m, dtype):
+@pytest.mark.parametrize("m,dtype,in_kernel_scale", [(1, jnp.bfloat16, True), (5, jnp.bfloat16, True),
+                                                     (3, jnp.float32, True), (3, jnp.bfloat16, False)])
+def test_int8_product_kernel_matches_float64(rng, monkeypatch, m, dtype, in_kernel_scale):
+    """One row: the multiply-add kernel; more: the tensor-core kernel, the column scale inside it (one split; N wide
+    enough for a wave of programs, here of 2) or applied after its split sums (SKINNY_COLUMN_SCALE off)."""
+    monkeypatch.setattr(matmul_mod, "SKINNY_COLUMN_SCALE", in_kernel_scale)
+    monkeypatch.setattr(matmul_mod, "NUM_SMS", 2)
+    scaled = []
+    real = matmul_mod.skinny_matmul_triton
+    monkeypatch.setattr(matmul_mod, "skinny_matmul_triton",
+                        lambda x, w, *a, **kw: scaled.append(bool(a)) or real(x, w, *a, **kw))
     n, k = 96, 128
     q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
     scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
@@ -129,6 +138,7 @@ def test_int8_product_kernel_matches_float64(rng, m, dtype):
         assert got.dtype == jnp.float32 and got.shape == (m, n)
         err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
         assert err < 1e-6, (impl, err)  # int8 is exact in bf16; only float32 accumulation order remains
+    assert scaled == ([] if m == 1 else [in_kernel_scale])
 
 
 def test_draft_head_tracks_the_exact_head(rng):

@@ -18,8 +18,8 @@ from jaxmtp.pallas.matmul.reference import (as_words, matmul_reference, quantize
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import plan as gemv_plan
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
-from jaxmtp.pallas.matmul.skinny_triton import (MAX_ROWS, output_plan, partials_plan, skinny_matmul_triton,
-                                                supports)
+from jaxmtp.pallas.matmul.skinny_triton import (MAX_ROWS, NUM_SMS, output_plan, partials_plan,
+                                                skinny_matmul_triton, supports)
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
 from jaxmtp.pallas.matmul.w4a8_triton import (argmax_from_partials, w4a8_argmax_partials_triton, w4a8_argmax_triton,
                                               w4a8_matmul_triton)
@@ -51,9 +51,13 @@ DRAFT_ARGMAX_MAX_ROWS = 1
 # 13.2 / 18.0 / 14.1 us against 4.6 / 5.3 / 4.0 (H100, docs/performance.md run 15), so those stay with it.
 LAYER_GEMV_MAX_N = 65536
 LAYER_GEMV_MAX_ROWS = 1
-# Those products with more rows (the window's pass: its fc and qkv over the verify window) run the tensor-core kernel,
-# the column scale applied after it by XLA (one more kernel). XLA's own product (the int8 widening and the scale
-# inside its one fusion) was no faster: 0.8B k = 3 1.690 against 1.694 ms (H100, docs/performance.md run 19).
+# Those products with more rows (the window's pass: its fc and qkv over the verify window) run the tensor-core kernel.
+# With N wide enough for a wave of 16-column slabs (``SKINNY_COLUMN_SCALE``: qkv) the column scale is applied inside
+# it (one split along K); narrower products (fc) split K and XLA applies the scale after (one more kernel). H100, 0.8B
+# (docs/performance.md run 19): qkv 5.4 us against 4.6 + 1.4; fc with one split 6.0 us against 2.9 + 1.4, hence the
+# width rule. XLA's own product (the int8 widening and the scale inside its one fusion) was no faster than the split
+# kernel: 0.8B k = 3 1.690 against 1.694 ms.
+SKINNY_COLUMN_SCALE = True
 # Those one-row products also take the layer's norms and residual adds (:func:`layer_gemv_fuses`): a norm (a
 # :class:`NormedRows` input) through the row's sum of squares gathered while streaming K, the residual added after
 # the cast. In the k = 3 step each recursive draft pass then runs two launches fewer (the input norm, the
@@ -226,6 +230,9 @@ def quantized_linear(x, q, scale, *, out_dtype=jnp.float32, implementation: str 
     if kernel and rows <= gemv_rows and gemv_supports(rows, kdim, n, True, q.dtype):
         return gemv_matmul_triton(x, q, scale, transpose_w=True, out_dtype=out_dtype, interpret=interpret)
     if kernel and supports(rows, kdim, n):
+        if SKINNY_COLUMN_SCALE and 16 * NUM_SMS <= n <= LAYER_GEMV_MAX_N:  # an MTP layer product, N >= a wave
+            return skinny_matmul_triton(x, q, scale, transpose_w=True, out_dtype=out_dtype, mask_rows=True,
+                                        interpret=interpret)
         y = skinny_matmul_triton(x, q, transpose_w=True, out_dtype="float32", mask_rows=True, interpret=interpret)
         return (y * scale).astype(out_dtype)
     return quantized_matmul_reference(x, q, scale).astype(out_dtype)

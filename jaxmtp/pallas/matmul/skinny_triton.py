@@ -93,7 +93,9 @@ def _rows(x_ref, off, bk, m, swiglu):
     return swiglu_tile(g, u, x_ref.dtype)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
+def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, swiglu, dtype, interpret):
+    """refs: ``[column scale], out``."""
+    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     k0 = pl.program_id(1) * k_per_split
     mp, bn = x_ref.shape[0], o_ref.shape[-1]
 
@@ -110,7 +112,10 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swigl
             return acc + mm(xb, w_ref[:, pl.ds(off, bk)], tb=True, dtype=dtype, interpret=interpret)
         return acc + mm(xb, w_ref[pl.ds(off, bk), :], dtype=dtype, interpret=interpret)
 
-    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32)).astype(o_ref.dtype)
+    acc = lax.fori_loop(0, k_per_split // bk, body, jnp.zeros((mp, bn), jnp.float32))
+    if scale_ref is not None:  # a quantised weight's column scale, on the float32 sums (one split)
+        acc = acc * scale_ref[...][None, :]
+    acc = acc.astype(o_ref.dtype)
     if m == mp:
         o_ref[...] = acc
     else:  # the output is not padded either: rows from m on are not stored
@@ -120,14 +125,16 @@ def _kernel(x_ref, w_ref, o_ref, *, m, bk, k_per_split, transpose_w, int4, swigl
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
                                              "num_warps", "num_stages", "swiglu", "mask_rows", "partials",
                                              "interpret"))
-def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None, splits=None,
-                         num_warps=None, num_stages=None, swiglu=False, mask_rows=False, partials=False,
+def skinny_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None,
+                         splits=None, num_warps=None, num_stages=None, swiglu=False, mask_rows=False, partials=False,
                          interpret=False):
     """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
     x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
     (not with int4 weights): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
     (no pad kernel before it, no slice after). ``partials`` (with ``mask_rows``): with several splits along K, a
-    :class:`jaxmtp.pallas._common.SplitSum` of the float32 partials ``[S, ..., N]`` instead of their sum."""
+    :class:`jaxmtp.pallas._common.SplitSum` of the float32 partials ``[S, ..., N]`` instead of their sum. ``scale``
+    (float32 [N]; an int8 W): each column's float32 sum times its scale, then the cast, as
+    :func:`jaxmtp.pallas.matmul.reference.quantized_matmul_reference` (one split along K, no scale kernel after)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead = x.shape[:-1]
     kdim = (w.shape[1] if transpose_w else w.shape[0]) if swiglu else x.shape[-1]
@@ -138,7 +145,13 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
     if not supports(m, kdim, n, int4=int4) or (int4 and (not transpose_w or w.shape[1] * 2 != kdim)) or bad_swiglu:
         raise ValueError(f"unsupported skinny matmul: [{m}, {x.shape[-1]}] x W {w.shape} {w.dtype}, "
                          f"transpose_w={transpose_w}, swiglu={swiglu}")
+    bad_scale = scale is not None and (scale.shape != (n,) or scale.dtype != jnp.float32 or w.dtype != jnp.int8)
+    if bad_scale or (scale is not None and (splits or 1) != 1):
+        raise ValueError(f"unsupported column scale {scale.shape} {scale.dtype} for W {w.shape} {w.dtype} "
+                         f"(int8 weights, one split)")
     mp, bn0, bk0, s0 = plan(m, kdim, n)
+    if scale is not None:  # one split: slabs narrow enough for a wave of programs
+        bn0, s0 = next((b for b in (64, 32) if n % b == 0 and n // b >= NUM_SMS), 16), 1
     bn, bk = block_n or bn0, block_k or bk0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")
@@ -154,7 +167,8 @@ def skinny_matmul_triton(x, w, *, transpose_w=False, out_dtype=None, block_n=Non
         raise ValueError("partials need mask_rows (unpadded rows)")
     return launch_row_kernel(kernel, x, w, rows=mp, block_n=bn, splits=ns, transpose_w=transpose_w,
                              out_dtype=out_dtype, num_warps=num_warps or 4, num_stages=num_stages or 4,
-                             interpret=interpret, name="skinny_matmul", pad=not mask_rows, partials=partials)
+                             interpret=interpret, name="skinny_matmul", pad=not mask_rows, partials=partials,
+                             column_scale=scale)
 
 
 def launch_row_kernel(kernel, x, w, *, rows, block_n, splits, transpose_w, out_dtype, num_warps, num_stages,
