@@ -107,12 +107,13 @@ def _kernel(pq_ref, pk_ref, pv_ref, pb_ref, pa_ref, wq_ref, wk_ref, wv_ref, ring
     for i in range(t):
         valid = valids[i]
         n_valid = n_valid + valid.astype(jnp.int32)
-        g = jnp.where(valid, -jnp.exp(a_log) * _softplus(raw_a[i] + dt_bias), 0.0)
-        beta = jnp.where(valid, jax.nn.sigmoid(raw_b[i]), 0.0)
-        s, o = delta_rule_token(s, l2norm_rows(qs[i]) * scale, l2norm_rows(ks[i]), vs[i], g, beta)
+        gs.append(jnp.where(valid, -jnp.exp(a_log) * _softplus(raw_a[i] + dt_bias), 0.0))
+        betas.append(jnp.where(valid, jax.nn.sigmoid(raw_b[i]), 0.0))
+    # every token's q / k norms before the rule's first step: they do not depend on the state
+    qn, kn = [l2norm_rows(q) * scale for q in qs], [l2norm_rows(k) for k in ks]
+    for i in range(t):
+        s, o = delta_rule_token(s, qn[i], kn[i], vs[i], gs[i], betas[i])
         os.append(o)
-        gs.append(g)
-        betas.append(beta)
     for i in range(t):
         o_ref[i, :] = os[i].astype(o_ref.dtype)
         if mode == "replay":

@@ -123,9 +123,10 @@ def _commit_kernel(*refs, t, n_layers):
         s, ks, vs, gs, bs = lax.switch(layer, [functools.partial(window, *refs) for refs in
                                                zip(k_refs, v_refs, g_refs, b_refs, h0_refs)])
     n = n_ref[0]
+    kn = [l2norm_rows(k.astype(f32)) for k in ks]  # every token's key norm first: independent of the state
     for i in range(t):
         keep = i < n  # tokens past the accepted length leave the state as it is (g = beta = 0)
-        s = delta_rule_write(s, l2norm_rows(ks[i].astype(f32)), vs[i].astype(f32),
+        s = delta_rule_write(s, kn[i], vs[i].astype(f32),
                              jnp.where(keep, gs[i].astype(f32), 0.0), jnp.where(keep, bs[i].astype(f32), 0.0))
     for j, ref in enumerate(s_refs):
         @pl.when(layer == j)
