@@ -155,7 +155,8 @@ def output_linear(x, w_t, *, swiglu: bool = False, implementation: str = "xla", 
     (:func:`jaxmtp.pallas.matmul.reference.swiglu_reference`) is the product's input. Returns [..., N] in x's
     dtype. ``"triton"`` / ``"triton_interpret"``: up to ``OUTPUT_GEMV_MAX_ROWS`` rows with :mod:`.gemv_triton`, up to
     ``OUTPUT_SKINNY_MAX_ROWS`` with :mod:`.skinny_triton`, and with ``partials`` (the caller accepts a
-    :class:`SplitSum`) up to ``OUTPUT_SPLIT_MAX_ROWS`` with it split along K, unsummed. A quantised ``w_t``
+    :class:`SplitSum`) up to ``OUTPUT_SPLIT_MAX_ROWS`` with it split along K, unsummed (a SwiGLU formed by XLA
+    first: ``OUTPUT_SPLIT_SWIGLU_APART``). A quantised ``w_t``
     (:func:`is_quantized`) runs :func:`quantized_linear` after the SwiGLU; ``residual`` [..., N] (quantised
     ``w_t`` only) returns ``residual + product`` instead, the add inside the kernel where
     :func:`layer_gemv_fuses`."""
