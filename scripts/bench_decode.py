@@ -88,6 +88,14 @@ def hbm_bandwidth() -> float:
 LAYOUTS = ("serving", "fused", "native")
 
 
+def tiny_config(cfg):
+    """A small model of ``cfg``'s layout (layer types, MoE layers, GQA ratios): the check scripts' CPU smoke tests."""
+    return dataclasses.replace(cfg, hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
+                               layer_types=cfg.layer_types[:4], moe_layers=cfg.moe_layers[:4], head_dim=32,
+                               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                               linear_num_value_heads=2 * cfg.gdn_v_per_k, num_attention_heads=4, num_key_value_heads=2)
+
+
 def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None,
                  draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None) -> Model:
     """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections, the quantised draft

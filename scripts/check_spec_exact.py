@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import json
 import os
@@ -26,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import random_model  # noqa: E402
+from bench_decode import random_model, tiny_config  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 from jaxmtp.sampling import SamplingParams  # noqa: E402
@@ -65,11 +64,7 @@ def main() -> int:
     else:
         cfg = shapes.config(args.model)
     if args.tiny and not args.checkpoint:
-        cfg = dataclasses.replace(cfg, hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
-                                  layer_types=cfg.layer_types[:4], moe_layers=cfg.moe_layers[:4], head_dim=32,
-                                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                                  linear_num_value_heads=2 * cfg.gdn_v_per_k, num_attention_heads=4,
-                                  num_key_value_heads=2)
+        cfg = tiny_config(cfg)
     if not args.checkpoint:
         model = random_model(cfg, jnp.bfloat16, args.backend)
     rng = np.random.default_rng(0)

@@ -16,7 +16,6 @@ states are from the stepped ones. Run two engine versions to check a change to e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -30,18 +29,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import random_model  # noqa: E402
+from bench_decode import random_model, tiny_config  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps  # noqa: E402
 from jaxmtp.model import forward, init_carry  # noqa: E402
-
-
-def tiny(cfg):
-    """A small model of ``cfg``'s layout (a CPU smoke test of the script)."""
-    return dataclasses.replace(cfg, hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
-                               layer_types=cfg.layer_types[:4], moe_layers=cfg.moe_layers[:4], head_dim=32,
-                               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                               linear_num_value_heads=2 * cfg.gdn_v_per_k, num_attention_heads=4, num_key_value_heads=2)
 
 
 def compare(model, t: int, windows: int, prompt_len: int, margin: float, seed: int = 0) -> dict:
@@ -99,7 +90,7 @@ def main() -> int:
         ap.error("--t must be at least 2 (a verify window)")
     cfg = shapes.config(args.model)
     if args.tiny:
-        cfg = tiny(cfg)
+        cfg = tiny_config(cfg)
     model = random_model(cfg, jnp.bfloat16, args.backend)
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
            "command": " ".join(sys.argv), "model": args.model, "t": args.t, "backend": str(model.backend),
