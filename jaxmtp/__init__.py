@@ -17,8 +17,8 @@ _EXPORTS = {
     "StreamChunk": "jaxmtp.generation",
     "generate": "jaxmtp.generation",
     "generate_stream": "jaxmtp.generation",
-    "Model": "jaxmtp.loading",
-    "load": "jaxmtp.loading",
+    "Model": "jaxmtp.loaded_model",
+    "load": "jaxmtp.loaded_model",
     "SamplingParams": "jaxmtp.sampling",
 }
 

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jaxmtp.engine.engine import Engine, RequestOutput, SpecStats
-from jaxmtp.loading import Model, load
+from jaxmtp.loaded_model import Model, load
 from jaxmtp.sampling import SamplingParams
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from jaxmtp import shapes
 from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
-from jaxmtp.loading import Model
+from jaxmtp.loaded_model import Model
 from jaxmtp.model import describe_draft_head, init_params, param_shapes
 from jaxmtp.param_layout import (has_quantized_mtp, quantize_mtp, quantizes_mtp, serving_layout, set_output_layout,
                                  transposes_outputs, weight_bytes)

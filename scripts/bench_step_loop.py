@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from bench_decode import alternating_step_ms, random_model, synthetic_engine, timed_loops  # noqa: E402
 from jaxmtp import shapes  # noqa: E402
-from jaxmtp.engine import device  # noqa: E402
+from jaxmtp.engine import steps  # noqa: E402
 
 VARIANTS = ("sampling=1,skip_idle=1", "sampling=0,skip_idle=1", "sampling=0,skip_idle=0", "sampling=1,skip_idle=0")
 STEPS_PER_SYNC = 8
@@ -51,7 +51,7 @@ def loop_variant(eng, model, variant: str):
     """The full-width loop of ``eng`` compiled with the ``run_steps`` keywords of ``variant`` (all but ``steps``)."""
     kw = {a: bool(v) if a in ("sampling", "skip_idle") else v for a, v in parse_variant(variant).items()
           if a != "steps"}
-    return jax.jit(functools.partial(device.run_steps, cfg=model.config, k=eng.k, num_steps=eng.steps_per_sync,
+    return jax.jit(functools.partial(steps.run_steps, cfg=model.config, k=eng.k, num_steps=eng.steps_per_sync,
                                      backend=model.backend, **kw), donate_argnums=1)
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jaxmtp.config import Qwen35Config  # noqa: E402
 from jaxmtp.draft_vocab import count_tokens, coverage, most_frequent  # noqa: E402
-from jaxmtp.loading import _load_tokenizer, _read_json, eos_token_ids  # noqa: E402
+from jaxmtp.loaded_model import _load_tokenizer, _read_json, eos_token_ids  # noqa: E402
 
 
 def iter_files(paths):

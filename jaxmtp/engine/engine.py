@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.engine import device
+from jaxmtp.engine import steps
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_num_draft_tokens
 from jaxmtp.param_layout import weight_bytes
 from jaxmtp.engine.text import IncrementalDetokenizer, find_stop, held_back
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
-_REASONS = {device.STOP: "stop", device.LENGTH: "length"}
+_REASONS = {steps.STOP: "stop", steps.LENGTH: "length"}
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ class Engine:
         max_prefill_batch: prompts prefilled together in one call.
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
             slot, each prefix compiled once (``warmup`` compiles them all); False: always all slots.
-        oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.device.Oracle` drafts with this
+        oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.steps.Oracle` drafts with this
             distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
     """
 
@@ -168,7 +168,7 @@ class Engine:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
             raise EngineConfigError(f"oracle_probs needs k + 1 = {self.k + 1} entries")
-        self.state = device.init_state(cfg, num_slots, max_context + self.k, self.k, model.dtype, oracle_probs)
+        self.state = steps.init_state(cfg, num_slots, max_context + self.k, self.k, model.dtype, oracle_probs)
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -181,19 +181,19 @@ class Engine:
                 return fn(*a, **kw)
             return wrapper
 
-        self._admit = jax.jit(counted("admit", device.admit), donate_argnums=0)
-        self._deactivate = jax.jit(counted("deactivate", device.deactivate), donate_argnums=0)
-        self._set_oracle = jax.jit(device.set_oracle_row, donate_argnums=0)
-        self._prefill = jax.jit(counted("prefill", functools.partial(device.prefill_chunk, cfg=cfg, k=self.k,
+        self._admit = jax.jit(counted("admit", steps.admit), donate_argnums=0)
+        self._deactivate = jax.jit(counted("deactivate", steps.deactivate), donate_argnums=0)
+        self._set_oracle = jax.jit(steps.set_oracle_row, donate_argnums=0)
+        self._prefill = jax.jit(counted("prefill", functools.partial(steps.prefill_chunk, cfg=cfg, k=self.k,
                                                                      backend=backend)), donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
-        self._move = jax.jit(counted("move", device.move_slots), donate_argnums=0)
+        self._move = jax.jit(counted("move", steps.move_slots), donate_argnums=0)
 
         def loop(width, sampling):
             name = ("step" if width == num_slots else f"step[{width}]") + ("+sampling" if sampling else "")
-            run = device.run_steps if width == num_slots else functools.partial(device.run_steps_on_prefix, n=width)
+            run = steps.run_steps if width == num_slots else functools.partial(steps.run_steps_on_prefix, n=width)
             return jax.jit(counted(name, functools.partial(run, cfg=cfg, k=self.k, num_steps=steps_per_sync,
                                                            backend=backend, sampling=sampling)), donate_argnums=1)
 

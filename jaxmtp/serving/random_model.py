@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
-from jaxmtp.loading import Model
+from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params
 from jaxmtp.pallas import resolve_backend
 from jaxmtp.param_layout import serving_layout

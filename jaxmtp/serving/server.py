@@ -28,7 +28,7 @@ import jax
 import jaxmtp
 from jaxmtp.engine import Engine, SpecStats
 from jaxmtp.generation import encode_prompt
-from jaxmtp.loading import Model
+from jaxmtp.loaded_model import Model
 from jaxmtp.sampling import SamplingParams, stop_id_row
 from jaxmtp.serving import protocol as pb
 from jaxmtp.serving.scheduler import (
