@@ -1,7 +1,7 @@
 """Hot draft vocabulary: the MTP drafts choose among N frequent tokens instead of the whole vocabulary.
 
 At batch 1 a draft costs mostly the read of the head that scores it (the 4B's 248k x 2560 head: 636 MB in int8 per
-draft, about 0.23 ms on an H100 and 0.6 of the extra cost of a k = 3 verify step). A draft head restricted to the N
+draft, most of the extra cost of a k = 3 verify step). A draft head restricted to the N
 most frequent tokens reads N / V of that (FR-Spec, arXiv 2502.14856; EAGLE-3 and SGLang's ``--speculative-token-map``
 do the same). Outputs are unchanged: the target model verifies every draft with its full head, and a draft is only
 accepted when it equals the token the target picks, so a token outside the hot set merely ends the accepted run

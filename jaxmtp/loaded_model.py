@@ -15,7 +15,8 @@ import numpy as np
 from jaxmtp import checkpoint
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
-from jaxmtp.model import draft_vocab_logits, forward, init_carry, init_mtp_carry, mtp_forward
+from jaxmtp.model import forward, init_carry
+from jaxmtp.mtp import draft_vocab_logits, init_mtp_carry, mtp_forward
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.param_layout import check_draft_head_options, serving_layout
 from jaxmtp.pallas import Backend, resolve_backend

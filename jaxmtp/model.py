@@ -6,11 +6,12 @@
 padding). Padding tokens write nothing into any carry. ``hidden`` is the final-normed hidden state (what the LM head
 scores and what the MTP head consumes). Prefill (T = chunk), decode (T = 1) and verify (T = k + 1) are the same
 function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (the old state and
-the window's rule inputs), from which :func:`jaxmtp.layers.gated_deltanet.select_step` commits an accepted prefix.
+the window's rule inputs), from which :func:`commit_window` commits an accepted prefix. The MTP head's forward and
+the draft head live in :mod:`jaxmtp.mtp`.
 
 Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout
 of :mod:`jaxmtp.param_layout` fuses some projections, adds a quantised ``draft_head`` and may hold the MTP layer's
-weights as int8)::
+weights as int8, :mod:`jaxmtp.quantize`)::
 
     embed_tokens [V, H], norm [H], lm_head [H, V] (absent when tied), layers: list of
       {input_layernorm, post_attention_layernorm, self_attn | linear_attn, mlp}
@@ -19,7 +20,6 @@ weights as int8)::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -28,17 +28,11 @@ import numpy as np
 
 from jaxmtp.config import FULL, Qwen35Config
 from jaxmtp.layers.attention import KVCache, gated_attention, take_rows
-from jaxmtp.layers.gated_deltanet import GDNCarry, gated_deltanet
+from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, commit_steps, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
-from jaxmtp.layers.norms import rms_norm
-from jaxmtp.layers.rope import rope_angles
-from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas._common import NormedRows
-from jaxmtp.pallas.matmul import (argmax_from_partials, argmax_partials_apply, layer_gemv_fuses, linear,
-                                  quantized_argmax, quantized_argmax_partials, quantized_linear)
-from jaxmtp.param_layout import has_quantized_mtp
-from jaxmtp.pallas.norms import (add_rms_norm, add_rms_norm_quantized, draft_input as norm_draft_input, fc_input,
-                                 pass_positions, rms_norm as norm_kernel)
+from jaxmtp.layers.projections import output_weight
+from jaxmtp.pallas import ops
+from jaxmtp.pallas.backend import XLA, Backend
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -164,196 +158,60 @@ def init_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat16) 
     )
 
 
-def init_mtp_carry(cfg: Qwen35Config, batch: int, max_len: int, dtype=jnp.bfloat16) -> Carry:
-    """Empty MTP carry: one KV cache per MTP layer."""
-    return tuple(KVCache.zeros(cfg, batch, max_len, dtype) for _ in range(cfg.mtp_num_hidden_layers))
+def commit_window(carry: Carry, n_tokens: jax.Array, backend: Backend = XLA) -> Carry:
+    """A verify forward's carry (``step_states=True``) committed to the first ``n_tokens [B]`` tokens of each row's
+    window: every GDN layer's state and conv ring as plain decoding of those tokens leaves them (the rule runs again
+    over them); KV caches as they are (rows past a row's length are stale and overwritten later)."""
+    return commit_steps(carry, n_tokens, backend)
+
+
+def reset_slots(carry: Carry, slots: jax.Array) -> Carry:
+    """``carry`` with the GDN conv rings and states of ``slots [Bp]`` zeroed (out-of-range ids ignored), for a new
+    request; KV rows need no reset: a query never reads rows past its own position."""
+    put = lambda a: a.at[slots].set(0, mode="drop")  # noqa: E731
+    return tuple(GDNCarry(put(c.conv), put(c.state)) if isinstance(c, GDNCarry) else c for c in carry)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------------------------
-def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, cos, sin, carry, *, h=None,
-                  gdn_form="chunk", step_states=False, backend: Backend = XLA, out_rows=None):
+def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, positions, carry, *, h=None, gdn_form="chunk",
+                  step_states=False, backend: Backend = XLA, out_rows=None):
     """Pre-norm residual block ``r = x + mixer(norm(x)); out = r + mlp(norm(r))``, returning ``(r, mlp, new layer
-    carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`add_rms_norm`). ``h``: ``norm(x)``
-    when the caller already has it (the previous block's fused add and norm). ``out_rows`` [B] int32: the block's
-    output only at that row of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row.
-    ``mlp`` may be a :class:`jaxmtp.pallas._common.SplitSum` (down_proj's split-K partials): the caller's
-    :func:`add_rms_norm` adds it."""
-    fuse_in, fuse_post = _fused_norms(lp, layer_type, moe, x, h, out_rows, backend)
-    if fuse_in:  # the qkv product normalises its rows itself
-        h = NormedRows(x, lp["input_layernorm"], cfg.rms_norm_eps, backend.norm)
-    elif h is None:
-        h = norm_kernel(x, lp["input_layernorm"], cfg.rms_norm_eps, implementation=backend.norm)
+    carry)``: the caller adds ``r + mlp`` fused with the norm that follows (:func:`jaxmtp.pallas.ops.add_rms_norm`;
+    ``mlp`` may be split-K partials it sums). ``h``: ``norm(x)`` when the caller already has it (the previous block's
+    fused add and norm); else the first product forms it. ``out_rows`` [B] int32: the block's output only at that row
+    of the window (r and mlp [B, 1, H]); the mixer still reads and carries every row."""
+    eps = cfg.rms_norm_eps
+    if h is None:
+        h = ops.normed(x, lp["input_layernorm"], eps)
     if layer_type == FULL:
-        y, carry = gated_attention(lp["self_attn"], cfg, h, positions, cos, sin, carry,
-                                   implementation=backend.attention, matmul=backend.matmul,
-                                   prelude=backend.attention_prelude, out_matmul=backend.out_matmul,
-                                   out_rows=out_rows, partials=True,
-                                   residual=take_rows(x, out_rows) if fuse_post else None)
-        if fuse_post:  # o_proj added the residual; the gate|up product forms the norm
-            mlp = dense_mlp(lp["mlp"], NormedRows(y, lp["post_attention_layernorm"], cfg.rms_norm_eps, backend.norm),
-                            backend.matmul, backend.out_matmul, partials=True)
-            return y, mlp, carry
+        mixer = lp["self_attn"]
+        a, carry = gated_attention(mixer, cfg, h, positions, carry, backend=backend, out_rows=out_rows)
+        w_out, transposed = output_weight(mixer, "o_proj")
     else:
-        impl = backend.gdn_recurrent if (step_states or gdn_form == "recurrent") else backend.gdn_chunk
-        y, carry = gated_deltanet(lp["linear_attn"], cfg, h, positions, carry, form=gdn_form,
-                                  step_states=step_states, implementation=impl, matmul=backend.matmul,
-                                  mixer=backend.gdn_mixer, out_matmul=backend.out_matmul, partials=out_rows is None)
-        y = take_rows(y, out_rows)
-    x, h = add_rms_norm(take_rows(x, out_rows), y, lp["post_attention_layernorm"], cfg.rms_norm_eps,
-                        implementation=backend.norm)
-    mlp = (moe_mlp(lp["mlp"], cfg, h, implementation=backend.moe, matmul=backend.matmul,
-                   out_matmul=backend.out_matmul) if moe
-           else dense_mlp(lp["mlp"], h, backend.matmul, backend.out_matmul, partials=True))
+        mixer = lp["linear_attn"]
+        a, carry = gated_deltanet(mixer, cfg, h, positions, carry, form=gdn_form, step_states=step_states,
+                                  backend=backend)
+        a = take_rows(a, out_rows)
+        w_out, transposed = output_weight(mixer, "out_proj")
+    consumer = None if moe else lp["mlp"].get("gate_up_proj")
+    x, h = ops.output_add_norm(a, w_out, transposed, take_rows(x, out_rows), lp["post_attention_layernorm"], eps,
+                               backend, consumer=consumer)
+    mlp = moe_mlp(lp["mlp"], cfg, h, backend) if moe else dense_mlp(lp["mlp"], h, backend, partials=True)
     return x, mlp, carry
 
 
-def _fused_norms(lp, layer_type: str, moe: bool, x, h, out_rows, backend: Backend) -> tuple[bool, bool]:
-    """Where a layer's norms run inside its one-row int8 products (:func:`jaxmtp.pallas.matmul.layer_gemv_fuses`:
-    the quantised MTP layer's recursive passes, and the window pass after its attention): ``(input norm inside the
-    qkv product, residual add inside o_proj and the post-attention norm inside the gate|up product)``."""
-    if layer_type != FULL or moe:
-        return False, False
-    att, mlp, impl = lp["self_attn"], lp["mlp"], backend.matmul
-    rows_in = x.shape[0] * x.shape[1]
-    rows_out = x.shape[0] if out_rows is not None else rows_in
-    fuse_in = h is None and "qkv_proj" in att and layer_gemv_fuses(rows_in, att["qkv_proj"], impl)
-    fuse_post = ("o_proj" in att and "gate_up_proj" in mlp and layer_gemv_fuses(rows_out, att["o_proj"], impl)
-                 and layer_gemv_fuses(rows_out, mlp["gate_up_proj"], impl))
-    return fuse_in, fuse_post
-
-
-def lm_head(params: Params, hidden: jax.Array, matmul: str = "xla") -> jax.Array:
+def lm_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
     """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads read the embedding ``[V, H]``)."""
     if "lm_head" in params:
-        return linear(hidden, params["lm_head"], out_dtype=jnp.float32, implementation=matmul)
-    return linear(hidden, params["embed_tokens"], transpose_w=True, out_dtype=jnp.float32, implementation=matmul)
+        return ops.linear(hidden, params["lm_head"], backend, out_dtype=jnp.float32)
+    return ops.linear(hidden, params["embed_tokens"], backend, transpose_w=True, out_dtype=jnp.float32)
 
 
-def draft_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
-    """The MTP drafts' logits [..., N] (float32) from the serving layout's ``draft_head`` (:mod:`jaxmtp.param_layout`:
-    int8 or not, over the whole vocabulary or a hot subset of N ids) when present, else the LM head's [..., V].
-    :func:`draft_tokens` turns them into token ids."""
-    if "draft_head" in params:
-        dh = params["draft_head"]
-        if "scale" in dh:
-            return quantized_linear(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head)
-        return linear(hidden, dh["weight"], transpose_w=True, out_dtype=jnp.float32, implementation=backend.matmul)
-    return lm_head(params, hidden, backend.matmul)
-
-
-def draft_tokens(params: Params, logits: jax.Array) -> jax.Array:
-    """Greedy drafts: int32 token ids [...] of the argmax of :func:`draft_head` logits [..., N] (mapped through the
-    hot vocabulary's ids when the draft head has one)."""
-    return _vocab_ids(params, jnp.argmax(logits, axis=-1).astype(jnp.int32))
-
-
-def _vocab_ids(params: Params, idx: jax.Array) -> jax.Array:
-    """Row indices of the draft head -> token ids (through the hot vocabulary's ids when the head has one)."""
-    dh = params.get("draft_head")
-    return dh["ids"][idx] if dh is not None and "ids" in dh else idx
-
-
-def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
-    """``draft_tokens(params, draft_head(params, hidden, backend))`` for hidden [..., H]: int32 ids [...]. A quantised
-    head takes the argmax with its product (:func:`jaxmtp.pallas.matmul.quantized_argmax`; on the GPU an int4 head
-    then never writes the logits), the same ids."""
-    dh = params.get("draft_head")
-    if dh is None or "scale" not in dh:
-        return draft_tokens(params, draft_head(params, hidden, backend))
-    return _vocab_ids(params, quantized_argmax(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head))
-
-
-def draft_choice(params: Params, hidden: jax.Array, backend: Backend = XLA, quantized=None) -> tuple:
-    """The drafts' greedy choice for hidden [B, H] as ``(ids, None)`` (:func:`draft_ids`), or, where the int4 head's
-    argmax kernel runs over the whole vocabulary, ``(None, (vals, idx))``: its per-program partials, which the next
-    draft pass's input kernel finishes (:func:`draft_pass_input`) or :func:`chosen_ids` does. ``quantized``: the
-    rows' int8 form, made by the norm kernel that formed hidden (:func:`mtp_forward` with ``logits="choice"``)."""
-    dh = _full_vocab_quantized_head(params)
-    if dh is not None:
-        partials = quantized_argmax_partials(hidden, dh["weight"], dh["scale"], implementation=backend.draft_head,
-                                             quantized=quantized)
-        if partials is not None:
-            return None, partials
-    return draft_ids(params, hidden, backend), None
-
-
-def _full_vocab_quantized_head(params: Params):
-    """The serving layout's draft head when it is quantised and covers the whole vocabulary (the argmax kernel's
-    case), else None."""
-    dh = params.get("draft_head")
-    return dh if dh is not None and "scale" in dh and "ids" not in dh else None
-
-
-def _head_takes_quantized_rows(params: Params, rows: int, hdim: int, backend: Backend) -> bool:
-    """Whether the draft head runs the int4 argmax kernel on ``rows`` rows, so that the final norm kernel may hand it
-    the rows quantised (:func:`jaxmtp.pallas.norms.add_rms_norm_quantized`)."""
-    dh = _full_vocab_quantized_head(params)
-    return dh is not None and argmax_partials_apply(rows, hdim, dh["weight"], backend.draft_head)
-
-
-def chosen_ids(choice: tuple) -> jax.Array:
-    """The int32 ids [B] of a :func:`draft_choice`."""
-    ids, partials = choice
-    if ids is not None:
-        return ids
-    return argmax_from_partials(*partials).astype(jnp.int32)
-
-
-def draft_pass_input(params: Params, cfg: Qwen35Config, choice: tuple, hidden: jax.Array, backend: Backend = XLA,
-                     position=None):
-    """A recursive draft pass's input from the previous pass's :func:`draft_choice` and hidden [B, H]: ``(d [B],
-    concat[rms_norm(E[d]), rms_norm(hidden)] [B, 1, 2H], positions [B, 1])``, what :func:`mtp_forward` forms from
-    (d, hidden), with the pass's positions ``where(active, length + offset, -1)`` for ``position = (length [B],
-    active [B], offset)`` (None without it). From argmax partials on a kernel backend one launch does it all
-    (:func:`jaxmtp.pallas.norms.draft_input`)."""
-    mp, eps = params["mtp"], cfg.rms_norm_eps
-    ids, partials = choice
-    if partials is not None:
-        d, x, *pos = norm_draft_input(*partials, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"],
-                                      mp["pre_fc_norm_hidden"], eps, implementation=backend.norm, position=position)
-        return d, x[:, None], (pos[0][:, None] if pos else None)
-    pos = None if position is None else pass_positions(*position)[:, None]
-    return ids, mtp_fc_input(params, cfg, ids, hidden, backend)[:, None], pos
-
-
-def mtp_fc_input(params: Params, cfg: Qwen35Config, next_tokens, hidden, backend: Backend = XLA) -> jax.Array:
-    """The MTP's fc input ``concat[rms_norm(E[next_tokens]), rms_norm(hidden)]`` [..., 2H] in the embedding's dtype
-    (one kernel on a kernel backend: :func:`jaxmtp.pallas.norms.fc_input`)."""
-    mp = params["mtp"]
-    return fc_input(next_tokens, params["embed_tokens"], hidden, mp["pre_fc_norm_embedding"], mp["pre_fc_norm_hidden"],
-                    cfg.rms_norm_eps, implementation=backend.norm)
-
-
-def describe_draft_head(params: Params, vocab_size: int) -> str:
-    """One line on what the drafts score with, e.g. ``"int8 copy of the LM head, 32768 hot ids of 248320"``."""
-    dh = params.get("draft_head")
-    if dh is None:
-        return "the LM head itself" if "mtp" in params else "none (no MTP head)"
-    w = dh["weight"]
-    kind = {"int8": "int8", "uint8": "int4"}.get(str(w.dtype), str(w.dtype))
-    rows = f"{int(np.unique(np.asarray(dh['ids'])).size)} hot ids of {vocab_size}" if "ids" in dh else \
-        f"all {vocab_size} ids"
-    layer = "; MTP layer int8" if has_quantized_mtp(params) else ""
-    return f"{kind} copy of the LM head, {rows}{layer}"
-
-
-def draft_vocab_logits(params: Params, logits: jax.Array, vocab_size: int) -> jax.Array:
-    """Draft logits [..., N] spread over the whole vocabulary [..., V]: ids outside the hot vocabulary get the float32
-    minimum (identity without one). For scoring; the engine maps the argmax instead (:func:`draft_tokens`)."""
-    dh = params.get("draft_head")
-    if dh is None or "ids" not in dh:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (vocab_size,), jnp.finfo(jnp.float32).min, jnp.float32)
-    return full.at[..., dh["ids"]].set(logits)
-
-
-def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logits: str, matmul: str = "xla",
-                  head=None):
-    """``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``: None. ``head(hidden)``
-    replaces the LM head if given."""
-    head = head or (lambda h: lm_head(params, h, matmul))
+def select_logits(hidden: jax.Array, positions: jax.Array, logits: str, head):
+    """``head(hidden)`` for ``"all"``: [B, T, V]; ``"last"``: [B, V] at each row's last real token; ``"none"``:
+    None."""
     if logits == "all":
         return head(hidden)
     if logits == "last":
@@ -364,72 +222,24 @@ def select_logits(params: Params, hidden: jax.Array, positions: jax.Array, logit
     raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
 
 
-def _gdn_form(gdn_form: str, t: int, backend: Backend) -> str:
-    """``"auto"``: the token recurrence for short windows (decode, verify); for prefill the chunked form, except on
-    CPU with the jnp reference, where the recurrence is about 2x faster (default model, 256-token chunks)."""
-    if gdn_form == "auto":
-        if t <= 16 or (backend.gdn_chunk == "xla" and jax.default_backend() == "cpu"):
-            return "recurrent"
-        return "chunk"
-    return gdn_form
-
-
 def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Config, logits: str = "all",
             step_states: bool = False, gdn_form: str = "auto", backend: Backend = XLA):
-    """The target model over a window of tokens. Returns ``(logits, hidden, new_carry)``; see the module doc."""
+    """The target model over a window of tokens. Returns ``(logits, hidden, new_carry)``; see the module doc.
+    ``gdn_form``: ``"chunk"``, ``"recurrent"`` or ``"auto"`` (:func:`jaxmtp.pallas.ops.gdn_form`)."""
     x = params["embed_tokens"][tokens]
-    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
-    form = _gdn_form(gdn_form, tokens.shape[1], backend)
+    form = ops.gdn_form(tokens.shape[1], backend) if gdn_form == "auto" else gdn_form
     layers, eps = params["layers"], cfg.rms_norm_eps
-    h, new_carry = rms_norm(x, layers[0]["input_layernorm"], eps), []
+    h, new_carry = ops.rms_norm(x, layers[0]["input_layernorm"], eps, XLA), []
     for i, lp in enumerate(layers):
-        x, mlp, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, cos, sin, carry[i],
-                                  h=h, gdn_form=form, step_states=step_states, backend=backend)
+        x, mlp, c = decoder_layer(lp, cfg, cfg.layer_types[i], cfg.layer_is_moe(i), x, positions, carry[i], h=h,
+                                  gdn_form=form, step_states=step_states, backend=backend)
         new_carry.append(c)
         # each block's last residual add is fused with the next norm: the next block's input norm, or the final one
         norm = layers[i + 1]["input_layernorm"] if i + 1 < len(layers) else params["norm"]
-        x, h = add_rms_norm(x, mlp, norm, eps, implementation=backend.norm)
-    hidden = h
-    return select_logits(params, hidden, positions, logits, backend.matmul), hidden, tuple(new_carry)
+        x, h = ops.add_rms_norm(x, mlp, norm, eps, backend)
+    return select_logits(h, positions, logits, lambda hh: lm_head(params, hh, backend)), h, tuple(new_carry)
 
 
-def mtp_forward(params: Params, next_tokens, hidden, positions, mtp_carry: Carry, *, cfg: Qwen35Config,
-                step: int = 0, logits: str = "all", backend: Backend = XLA, out_rows=None, fc_input=None):
-    """One MTP draft pass.
-
-    Row p combines the embedding of ``next_tokens[p]`` (the token at position p+1) with ``hidden[p]`` (the target's
-    final-normed hidden at p, or the MTP's own output for recursive steps), runs the full-attention MTP layer
-    ``step % N`` at ``positions[p]`` and returns ``(logits predicting position p+2, mtp hidden after mtp.norm,
-    new mtp carry)``. The logits are the drafts' (:func:`draft_head`).
-
-    ``out_rows`` [B] int32: only that row of each window is drafted from (logits and hidden [B, 1, ...]). Every row
-    still writes its keys and values into the carry, but o_proj, the MLP (an MoE's experts) and the final norm run
-    on one row: a verify window's draft pass needs the accepted row only. ``fc_input`` [B, T, 2H]: the normed and
-    concatenated input already formed (:func:`draft_pass_input`); next_tokens and hidden are then unused.
-    ``logits="choice"`` (one output row: ``out_rows`` given or T = 1): the drafts' :func:`draft_choice` instead of
-    logits, the rows handed to the int4 head quantised by the final norm's kernel where both kernels run.
-    """
-    mp = params["mtp"]
-    eps = cfg.rms_norm_eps
-    # int8 MTP weights (jaxmtp.param_layout.quantize_mtp) run with the backend's quantised-product implementation
-    layer_backend = dataclasses.replace(backend, matmul=backend.mtp_matmul) if has_quantized_mtp(params) else backend
-    if fc_input is None:
-        fc_input = mtp_fc_input(params, cfg, next_tokens, hidden, backend)
-    z = linear(fc_input, mp["fc"], implementation=layer_backend.matmul)
-    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
-    j = step % cfg.mtp_num_hidden_layers
-    z, mlp, c = decoder_layer(mp["layers"][j], cfg, FULL, cfg.mtp_is_moe, z, positions, cos, sin, mtp_carry[j],
-                              backend=layer_backend, out_rows=out_rows)
-    new_carry = tuple(c if i == j else mtp_carry[i] for i in range(len(mtp_carry)))
-    choice = logits == "choice"
-    if choice and z.shape[1] != 1:
-        raise ValueError(f"logits='choice' drafts from one row per window, not {z.shape[1]} (give out_rows)")
-    if choice and _head_takes_quantized_rows(params, z.shape[0], z.shape[-1], backend):
-        _, hm, quantized = add_rms_norm_quantized(z, mlp, mp["norm"], eps, implementation=backend.norm)
-    else:
-        (_, hm), quantized = add_rms_norm(z, mlp, mp["norm"], eps, implementation=backend.norm), None
-    if choice:
-        return draft_choice(params, hm[:, 0], backend, quantized), hm, new_carry
-    logits = select_logits(params, hm, take_rows(positions, out_rows), logits,
-                           head=lambda h: draft_head(params, h, backend))
-    return logits, hm, new_carry
+__all__ = ["Carry", "FLOAT32_LEAVES", "GDNCarry", "GDNSteps", "KVCache", "Params", "commit_window", "decoder_layer",
+           "forward", "init_carry", "init_params", "lm_head", "param_count", "param_shapes", "reset_slots",
+           "select_logits"]

@@ -37,15 +37,10 @@ from jaxmtp.config import ConfigError
 from jaxmtp.draft_vocab import padded_ids
 from jaxmtp.layers.projections import (FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, OUTPUT_PROJECTIONS, TRANSPOSED_SUFFIX,
                                        split_fused)
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.matmul import is_quantized
+from jaxmtp.pallas.ops import is_quantized
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.quantize import array_module, quantize_rows, quantize_rows_int4
 
-DRAFT_HEAD_ROWS_PER_CHUNK = 8192  # quantise the head in slabs (bounds the float32 temporaries)
-
-
-def _xp(a):
-    return np if isinstance(a, np.ndarray) else jnp
 
 
 def _fuse_dict(d: dict) -> None:
@@ -53,7 +48,7 @@ def _fuse_dict(d: dict) -> None:
         if fused in d or not all(name in d for name in parts):
             continue
         ws = [d.pop(name) for name in parts]
-        xp = _xp(ws[0])
+        xp = array_module(ws[0])
         width = sum(w.shape[1] for w in ws)
         pad = (-width) % FUSED_COLUMN_MULTIPLE
         if pad:
@@ -93,7 +88,7 @@ def set_output_layout(params: dict, transposed: bool) -> dict:
 
 def _names_kernel(backend, field: str) -> bool:
     """Whether ``backend`` (a :class:`jaxmtp.pallas.Backend` or None) names a Triton kernel for ``field``."""
-    return backend is not None and getattr(backend, field) in (TRITON, TRITON_INTERPRET)
+    return backend is not None and backend.uses_kernel(field)
 
 
 def transposes_outputs(backend) -> bool:
@@ -120,7 +115,7 @@ def quantize_mtp(params: dict) -> dict:
     excluded) as ``{"weight": int8 [N, K], "scale": float32 [N]}`` under their plain names, symmetric per output
     channel (absmax / 127), so that each draft pass reads half the bytes. Drafts only propose: the target model
     verifies with its own weights, so outputs are unchanged; the drafts, and so the acceptance rate, can change a
-    little (docs/performance.md, run 13). In place; returns ``params``."""
+    little (docs/performance.md, "Draft head quantisation"). In place; returns ``params``."""
     if "mtp" in params:
         _walk_dicts(params["mtp"], _quantize_dict)
     return params
@@ -144,45 +139,6 @@ def fuse_projections(params: dict) -> dict:
     return params
 
 
-def _quantize_rows(w, qmax: int, transposed: bool, rows_per_chunk: int, pack=None):
-    """Symmetric per-row quantisation to -qmax..qmax in slabs of rows (bounds the float32 temporaries):
-    ``(pack(q) for each slab, concatenated; scale float32 [N])``."""
-    xp = _xp(w)
-    n = w.shape[1] if transposed else w.shape[0]
-    qs, scales = [], []
-    for start in range(0, n, rows_per_chunk):
-        blk = w[:, start : start + rows_per_chunk].T if transposed else w[start : start + rows_per_chunk]
-        blk = xp.asarray(blk, dtype=xp.float32)
-        amax = xp.max(xp.abs(blk), axis=1)
-        scale = xp.where(amax > 0, amax / qmax, 1.0).astype(xp.float32)
-        q = xp.clip(xp.round(blk / scale[:, None]), -qmax, qmax)
-        qs.append(pack(q) if pack else q.astype(xp.int8))
-        scales.append(scale)
-    return xp.concatenate(qs, axis=0), xp.concatenate(scales, axis=0)
-
-
-def quantize_rows(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
-    """Symmetric int8 per row: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (q int8 [N, K], scale float32
-    [N]) with ``w ~= q * scale[:, None]``."""
-    return _quantize_rows(w, 127, transposed, rows_per_chunk)
-
-
-def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRAFT_HEAD_ROWS_PER_CHUNK):
-    """Symmetric int4 per row, packed: ``w [N, K]`` (or ``[K, N]`` with ``transposed``) -> (uint8 [N, K/2], scale
-    float32 [N]) with ``w ~= q * scale[:, None]``, q in -7..7 stored as :func:`unpack_int4` reads it. K must be a
-    multiple of :data:`INT4_BLOCK`."""
-    xp = _xp(w)
-    k = w.shape[0] if transposed else w.shape[1]
-    if k % INT4_BLOCK:
-        raise ValueError(f"int4 packing needs K to be a multiple of {INT4_BLOCK}, got {k}")
-
-    def pack(q):  # block b, byte j: column 128 b + j (low nibble) and 128 b + 64 + j (high), as q + 8
-        u = (q + 8).astype(xp.uint8).reshape(q.shape[0], k // INT4_BLOCK, 2, INT4_BLOCK // 2)
-        return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).astype(xp.uint8)
-
-    return _quantize_rows(w, 7, transposed, rows_per_chunk, pack)
-
-
 def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
     """Add ``params["draft_head"]``, the head the MTP drafts score with, made from the LM head (``lm_head [H, V]``, or
     the tied embedding ``[V, H]``): ``{"weight": int8 [N, H], "scale": float32 [N]}`` (``bits=8``), ``{"weight":
@@ -203,7 +159,7 @@ def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
     else:
         head = {"weight": src}
     if ids is not None:
-        head["ids"] = _xp(head["weight"]).asarray(ids)
+        head["ids"] = array_module(head["weight"]).asarray(ids)
     params["draft_head"] = head
     return params
 
@@ -211,14 +167,12 @@ def add_draft_head(params: dict, *, ids=None, bits: int | None = 8) -> dict:
 def default_draft_head_bits(hidden_size: int, backend=None) -> int:
     """The draft head's quantisation when none is asked for: int4 where the GPU's dp4a kernel reads it (``backend``,
     a :class:`jaxmtp.pallas.Backend`, drafts with "triton") and the hidden size packs into whole blocks of
-    :data:`INT4_BLOCK`, else int8. Decided in run 10 (docs/performance.md): with that kernel the k = 3 step at batch 1
-    is 3-7% cheaper with the int4 head than with int8 (H100, 0.8B-27B shapes) and even from 8 slots up, while on the
-    shipped default model the int4 drafts' acceptance length is 1.3% lower (3.20 against 3.24; no real Qwen3.5
-    checkpoint was reachable to measure it there). Without the kernel (CPU, TPU) the int4 product unpacks the head
-    on every call, no cheaper than int8's conversion (slower at one row on the CPU:
-    scripts/bench_draft_head_reference.py), so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
+    :data:`INT4_BLOCK`, else int8 (docs/performance.md, "Draft head quantisation"): with that kernel the k = 3 step at
+    batch 1 is cheaper with the int4 head than with int8 and even from 8 slots up, for a slightly lower acceptance
+    length on the shipped default model. Without the kernel (CPU, TPU) the int4 product unpacks the head on every
+    call, no cheaper than int8's conversion, so int8 stays. ``draft_head_bits`` / ``--draft-head-bits``
     choose either."""
-    kernel = backend is not None and backend.draft_head == TRITON
+    kernel = backend is not None and backend.draft_head == "triton"  # the GPU kernel, not its interpreter
     return 4 if kernel and hidden_size % INT4_BLOCK == 0 else 8
 
 

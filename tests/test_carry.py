@@ -9,8 +9,8 @@ import pytest
 
 import jaxmtp
 from hf_builders import VOCAB
-from jaxmtp.layers.gated_deltanet import GDNSteps, select_step
-from jaxmtp.model import forward, init_carry
+from jaxmtp.layers.gated_deltanet import GDNSteps
+from jaxmtp.model import commit_window, forward, init_carry
 
 ATOL = 1e-4
 
@@ -50,10 +50,11 @@ def test_step_states_rollback_equals_shorter_window(checkpoint_factory, rng):
     verify = jax.jit(functools.partial(forward, cfg=cfg, step_states=True))
     _, _, stacked = verify(model.params, ids[:, 20:25], pos[:, 20:25], carry)
     n = np.array([0, 3, 5], np.int32)  # tokens kept per row
+    committed = commit_window(stacked, jnp.asarray(n))
     for li, c in enumerate(stacked):
         if not isinstance(c, GDNSteps):
             continue
-        chosen = select_step(c, jnp.asarray(n))
+        chosen = committed[li]
         np.testing.assert_array_equal(np.asarray(chosen.state[0]), np.asarray(carry[li].state[0]))
         np.testing.assert_array_equal(np.asarray(chosen.conv[0]), np.asarray(carry[li].conv[0]))
         for row in (1, 2):

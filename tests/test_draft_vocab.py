@@ -12,7 +12,8 @@ import pytest
 import jaxmtp
 from jaxmtp.config import FULL, LINEAR, ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import ROW_MULTIPLE, count_tokens, coverage, most_frequent, read_draft_vocab
-from jaxmtp.model import describe_draft_head, draft_head, draft_ids, draft_tokens, draft_vocab_logits, init_params
+from jaxmtp.model import init_params
+from jaxmtp.mtp import describe_draft_head, draft_head, draft_ids, draft_tokens, draft_vocab_logits
 from jaxmtp.pallas import Backend
 from jaxmtp.param_layout import serving_layout
 
@@ -175,7 +176,7 @@ def test_server_refuses_a_bad_draft_vocabulary_file(tmp_path, caplog):
 
 def test_server_loads_the_draft_head_it_is_asked_for():
     from jaxmtp import serve
-    from jaxmtp.model import describe_draft_head
+    from jaxmtp.mtp import describe_draft_head
 
     for argv, kind, dtype in [([], "int8", np.int8), (["--draft-head-bits", "8"], "int8", np.int8),
                               (["--draft-head-bits", "4"], "int4", np.uint8)]:  # default on the CPU: int8

@@ -8,12 +8,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxmtp.pallas.gated_delta_rule as gdr
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, gated_deltanet, ring_update, select_step, window_from_ring
+from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, commit_steps, gated_deltanet
 from jaxmtp.model import init_params
+from jaxmtp.pallas import Backend, KernelPolicy
 from jaxmtp.pallas.gated_delta_rule import use_fused_mixer
+from jaxmtp.pallas.gated_delta_rule.mixer_reference import ring_update, window_from_ring
 from jaxmtp.param_layout import fuse_projections
+
+
+def _mixer(impl: str, bv: int = 32) -> Backend:
+    """The fused mixer kernel (``impl``) or the unfused steps ("xla"), with BV = ``bv``."""
+    return Backend(gdn_mixer=impl, policy=KernelPolicy(mixer_block_v=bv))
+
+
+def _commit(steps, n, impl: str):
+    return commit_steps((steps,), n, Backend(gdn_recurrent=impl))[0]
 
 
 def _setup(rng, r, dtype):
@@ -48,13 +58,14 @@ def _close(got, want, dtype):
 
 @pytest.mark.parametrize("r,bv", [(1, 32), (2, 16)])  # BV: the dv slice per program (dv = 64 here)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_step_matches_the_unfused_layer(rng, monkeypatch, r, bv, dtype):
-    monkeypatch.setattr(gdr, "MIXER_BLOCK_V", bv)
+def test_decode_step_matches_the_unfused_layer(rng, r, bv, dtype):
     cfg, p, carry, b = _setup(rng, r, dtype)
     x = jnp.asarray(rng.standard_normal((b, 1, cfg.hidden_size)), dtype)
     valid = jnp.asarray([[True], [False], [True]])  # row 1 is an idle slot: its carry must not move
-    assert use_fused_mixer(cfg, 1, "triton_interpret") and not use_fused_mixer(cfg, 1, "xla")
-    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, form="recurrent", mixer=impl)  # noqa: E731
+    policy = KernelPolicy(mixer_block_v=bv)
+    assert use_fused_mixer(cfg, 1, "triton_interpret", policy) and not use_fused_mixer(cfg, 1, "xla", policy)
+    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, form="recurrent",  # noqa: E731
+                                        backend=_mixer(impl, bv))
     (y, c), (y_ref, c_ref) = run("triton_interpret"), run("xla")
     _close(y[jnp.asarray([0, 2])], y_ref[jnp.asarray([0, 2])], dtype)
     _close(c.state, c_ref.state, dtype)
@@ -65,13 +76,13 @@ def test_decode_step_matches_the_unfused_layer(rng, monkeypatch, r, bv, dtype):
 
 @pytest.mark.parametrize("r,bv", [(1, 32), (2, 16)])  # BV: the dv slice per program (dv = 64 here)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_verify_step_states_match_the_unfused_layer(rng, monkeypatch, r, bv, dtype):
-    monkeypatch.setattr(gdr, "MIXER_BLOCK_V", bv)
+def test_verify_step_states_match_the_unfused_layer(rng, r, bv, dtype):
     cfg, p, carry, b = _setup(rng, r, dtype)
     t = 4
     x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), dtype)
     valid = jnp.asarray([[True] * 4, [False] * 4, [True, True, True, False]])
-    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, step_states=True, mixer=impl)  # noqa: E731
+    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, step_states=True,  # noqa: E731
+                                        backend=_mixer(impl, bv))
     (y, s), (y_ref, s_ref) = run("triton_interpret"), run("xla")
     assert isinstance(s, GDNSteps)
     mask = np.asarray(valid)
@@ -83,14 +94,14 @@ def test_verify_step_states_match_the_unfused_layer(rng, monkeypatch, r, bv, dty
     for got, want in [(s.ring, s_ref.ring), (s.inputs, s_ref.inputs), (s.start, s_ref.start)]:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     n = jnp.asarray([2, 0, 3], jnp.int32)  # accepted prefixes; row 1 (idle) commits nothing
-    c, c_ref = select_step(s, n, "triton_interpret"), select_step(s_ref, n, "xla")
+    c, c_ref = _commit(s, n, "triton_interpret"), _commit(s_ref, n, "xla")
     _close(c.state, c_ref.state, dtype)
     np.testing.assert_array_equal(np.asarray(c.conv), np.asarray(c_ref.conv))
     np.testing.assert_array_equal(np.asarray(c.state[1]), np.asarray(carry.state[1]))
     # the committed carry is what a shorter window leaves (row 0: its first 2 tokens)
     row0 = jax.tree.map(lambda a: a[:1], carry)
     short = lambda impl: gated_deltanet(p, cfg, x[:1, :2], _positions(valid)[:1, :2], row0,  # noqa: E731
-                                        form="recurrent", mixer=impl)[1]
+                                        form="recurrent", backend=_mixer(impl, bv))[1]
     _close(c.state[:1], short("triton_interpret").state, dtype)
     np.testing.assert_array_equal(np.asarray(c.conv[:1]), np.asarray(short("xla").conv))
 
@@ -102,7 +113,8 @@ def test_multi_token_final_window_matches_the_unfused_layer(rng, dtype):
     t = 3
     x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), dtype)
     valid = jnp.asarray([[True] * 3, [False] * 3, [True, True, False]])
-    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, form="recurrent", mixer=impl)  # noqa: E731
+    run = lambda impl: gated_deltanet(p, cfg, x, _positions(valid), carry, form="recurrent",  # noqa: E731
+                                      backend=_mixer(impl))
     (y, c), (y_ref, c_ref) = run("triton_interpret"), run("xla")
     mask = np.asarray(valid)
     _close(np.asarray(y)[mask], np.asarray(y_ref)[mask], dtype)

@@ -13,7 +13,8 @@ import pytest
 
 from jaxmtp.config import FULL, Qwen35Config
 from jaxmtp.layers.attention import KVCache, gated_attention
-from jaxmtp.layers.rope import rope_angles, rope_inv_freq
+from jaxmtp.pallas import Backend
+from jaxmtp.pallas.attention.rope import rope_angles, rope_inv_freq
 from jaxmtp.param_layout import fuse_projections
 from jaxmtp.pallas.attention import (attention_reference, cached_attention, fused_gated_attention,
                                      output_gate_reference, prelude_reference, split_qkv)
@@ -193,19 +194,17 @@ def test_gated_attention_with_fused_prelude_matches_xla(rng, t, dtype):
     positions = np.array([[5 + i for i in range(t)], [20 + i for i in range(t)]], np.int32)
     positions[1, -1] = -1  # a padding token (t = 1: an idle row)
     positions = jnp.asarray(positions)
-    cos, sin = rope_angles(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     cache = KVCache(*(jnp.asarray(rng.standard_normal((b, 2, s, 16)), dtype) for _ in range(2)))
-    y, got = gated_attention(p, cfg, x, positions, cos, sin, cache, implementation="triton_interpret",
-                             prelude="triton_interpret")
-    y_ref, want = gated_attention(p, cfg, x, positions, cos, sin, cache)
+    kernels = Backend(attention="triton_interpret", attention_prelude="triton_interpret")
+    y, got = gated_attention(p, cfg, x, positions, cache, backend=kernels)
+    y_ref, want = gated_attention(p, cfg, x, positions, cache)
     valid = np.asarray(positions) >= 0
     assert_close(np.asarray(y, np.float32)[valid], np.asarray(y_ref, np.float32)[valid], dtype, "layer output")
     assert_close(got.k, want.k, dtype, "k cache")
     np.testing.assert_array_equal(np.asarray(got.v), np.asarray(want.v))
     rows = jnp.asarray([t - 1, 0], jnp.int32)  # a window's pass: o_proj on one row, every row into the cache
-    y1, got1 = gated_attention(p, cfg, x, positions, cos, sin, cache, implementation="triton_interpret",
-                               prelude="triton_interpret", out_rows=rows)
-    assert y1.shape == (b, 1, cfg.hidden_size)
+    y1, got1 = gated_attention(p, cfg, x, positions, cache, backend=kernels, out_rows=rows)
+    assert y1.shape == (b, 1, cfg.num_attention_heads * cfg.head_dim)
     np.testing.assert_array_equal(np.asarray(y1, np.float32)[:, 0],
                                   np.asarray(y, np.float32)[np.arange(b), np.asarray(rows)])
     np.testing.assert_array_equal(np.asarray(got1.k), np.asarray(got.k))

@@ -7,6 +7,7 @@ checked here against a numpy definition); and a small model whose projections ru
 The interpreter fills output buffers with NaN before the kernel runs, so unwritten elements fail the check.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 
 import jaxmtp.pallas.matmul as matmul_mod
-from jaxmtp.pallas._common import NormedRows, SplitSum, dense
+from jaxmtp.pallas._common import SplitSum, dense
 from jaxmtp.model import forward, init_carry, init_params
-from jaxmtp.pallas import XLA, Backend
+from jaxmtp.pallas import XLA, Backend, KernelPolicy
 from jaxmtp.pallas.matmul import (gemv_matmul_triton, linear, matmul_reference, output_linear,
                                   quantized_matmul_reference, skinny_matmul_triton, swiglu_reference)
 from jaxmtp.pallas.matmul.reference import as_words, quantize_rows_int8, unpack_int4, w4a8_matmul_reference
@@ -80,7 +81,7 @@ def _swiglu64(x, width):
 def test_gemv_swiglu_epilogue_matches_float64(rng, m, norm):
     """glu_width I with an int8 gate|up weight (rows [0, I) gate, [I, 2I) up, padding rows after them): silu(gate) *
     up of the two scaled products, with and without the input norm formed inside, against float64; and through
-    layer_swiglu, which picks the kernel only where its slabs tile I."""
+    layer_gemv where layer_swiglu_applies (one row, slabs tiling I)."""
     k, i = 256, 48
     x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
     q = jnp.asarray(rng.integers(-128, 128, (2 * i + 16, k)), jnp.int8)
@@ -97,13 +98,14 @@ def test_gemv_swiglu_epilogue_matches_float64(rng, m, norm):
     assert y.shape == (m, i) and y.dtype == jnp.bfloat16
     # the two products are rounded to bfloat16 before the SwiGLU, the result once more
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-6, atol=2**-6 * np.abs(want).max())
-    x_in = NormedRows(x, nw, 1e-6, "triton_interpret") if norm else x
-    via = matmul_mod.layer_swiglu(x_in, {"weight": q, "scale": scale}, i, "triton_interpret")
-    if m <= matmul_mod.LAYER_GEMV_MAX_ROWS:
+    w = {"weight": q, "scale": scale}
+    applies = matmul_mod.layer_swiglu_applies(x.shape, w, i, "triton_interpret")
+    assert applies == (m <= KernelPolicy().layer_gemv_max_rows)
+    assert not matmul_mod.layer_swiglu_applies(x.shape, w, i, "xla")
+    if applies:  # the layer kernel's own plan (its slabs tile I) gives the same values
+        via = matmul_mod.layer_gemv(x, w, implementation="triton_interpret", glu_width=i,
+                                    norm=(nw, 1e-6) if norm else None)
         np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(y, np.float32))
-    else:
-        assert via is None
-    assert matmul_mod.layer_swiglu(x_in, {"weight": q, "scale": scale}, i, "xla") is None
     with pytest.raises(ValueError, match="unsupported gemv"):
         gemv_matmul_triton(x, q, scale, transpose_w=True, glu_width=q.shape[0], interpret=True)  # 2I > N
 
@@ -157,54 +159,49 @@ def test_skinny_kernel_with_masked_rows_matches_float64(rng, m, k, n, bn, bk, ex
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_output_linear_dispatch(rng, monkeypatch, swiglu):
-    """One row runs the multiply-add kernel, up to OUTPUT_SKINNY_MAX_ROWS the tensor-core kernel with masked rows,
-    more rows (and the "xla" name) the reference; all agree with float64. (The tensor-core range is off by default,
-    measured slower on the GPU: switched on here to check the dispatch.)"""
-    monkeypatch.setattr(matmul_mod, "OUTPUT_SKINNY_MAX_ROWS", 16)
+    """One row runs the multiply-add kernel, up to ``output_skinny_max_rows`` the tensor-core kernel with masked
+    rows, more rows (and the "xla" name) the reference; all agree with float64. (The tensor-core range is off by
+    default, measured slower on the GPU: switched on here to check the dispatch.)"""
+    policy = KernelPolicy(output_skinny_max_rows=16)
     k, n = 256, 64
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32)
     calls = []
     for name in ("gemv_matmul_triton", "skinny_matmul_triton"):
         real = getattr(matmul_mod, name)
         monkeypatch.setattr(matmul_mod, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
-    for rows in (1, 3, matmul_mod.OUTPUT_SKINNY_MAX_ROWS + 1):
+    for rows in (1, 3, policy.output_skinny_max_rows + 1):
         x = jnp.asarray(rng.standard_normal((rows, 1, 2 * k if swiglu else k)), jnp.float32)
         want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
         for impl in ("xla", "triton_interpret"):
             calls.clear()
-            y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation=impl)
+            y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation=impl, policy=policy)
             assert y.shape == (rows, 1, n)
             np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5)
-            expect = [] if impl == "xla" or rows > matmul_mod.OUTPUT_SKINNY_MAX_ROWS else (
-                ["gemv_matmul_triton"] if rows <= matmul_mod.OUTPUT_GEMV_MAX_ROWS else ["skinny_matmul_triton"])
+            expect = [] if impl == "xla" or rows > policy.output_skinny_max_rows else (
+                ["gemv_matmul_triton"] if rows <= policy.output_gemv_max_rows else ["skinny_matmul_triton"])
             assert calls == expect
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_output_linear_returns_split_sums_when_asked(rng, monkeypatch, swiglu):
-    """partials=True with 2..OUTPUT_SPLIT_MAX_ROWS rows: the tensor-core kernel split along K returns its float32
-    partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); with a SwiGLU only while
-    OUTPUT_SPLIT_SWIGLU_APART (the SwiGLU formed before the kernel). One row, the "xla" name, or a caller that takes
-    no partials get the array."""
+def test_output_linear_returns_split_sums_when_asked(rng, swiglu):
+    """partials=True with 2..``output_split_max_rows`` rows: the tensor-core kernel split along K returns its float32
+    partials unsummed (a SplitSum [S, ..., N]), whose sum is the product (float64); with a SwiGLU too (formed before
+    the kernel). One row, the "xla" name, or a caller that takes no partials get the array."""
     k, n = 512, 64
+    policy = KernelPolicy()
     w_t = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
-    for rows in (1, 2, matmul_mod.OUTPUT_SPLIT_MAX_ROWS):
+    for rows in (1, 2, policy.output_split_max_rows):
         x = jnp.asarray(rng.standard_normal((1, rows, 2 * k if swiglu else k)), jnp.bfloat16)
         want = (_swiglu64(x, k) if swiglu else np.asarray(x, np.float64)) @ np.asarray(w_t, np.float64).T
         y = matmul_mod.output_linear(x, w_t, swiglu=swiglu, implementation="triton_interpret", partials=True)
-        split = rows > matmul_mod.OUTPUT_GEMV_MAX_ROWS
-        assert isinstance(y, SplitSum) == (split and (matmul_mod.OUTPUT_SPLIT_SWIGLU_APART or not swiglu))
+        split = rows > policy.output_gemv_max_rows
+        assert isinstance(y, SplitSum) == split
         if isinstance(y, SplitSum):
             assert y.parts.shape[0] > 1 and y.parts.shape[1:] == (1, rows, n) and y.parts.dtype == jnp.float32
             assert y.dtype == jnp.bfloat16
             # the SwiGLU is rounded to bfloat16 before the product, as on XLA's path
             np.testing.assert_allclose(np.asarray(y.parts, np.float64).sum(0), want, rtol=0, atol=2e-2)
         np.testing.assert_allclose(np.asarray(dense(y), np.float64), want, rtol=2 ** -7, atol=2e-2)
-        if split and swiglu:  # and without it the SwiGLU stays with XLA's product
-            monkeypatch.setattr(matmul_mod, "OUTPUT_SPLIT_SWIGLU_APART", False)
-            assert not isinstance(matmul_mod.output_linear(x, w_t, swiglu=True, implementation="triton_interpret",
-                                                           partials=True), SplitSum)
-            monkeypatch.undo()
         for kw in (dict(implementation="xla", partials=True), dict(implementation="triton_interpret")):
             assert not isinstance(matmul_mod.output_linear(x, w_t, swiglu=swiglu, **kw), SplitSum)
 
@@ -269,26 +266,25 @@ def test_default_plan_and_leading_axes(rng):
     assert mp == 16 and 9216 % bn == 0 and 2560 % (bk * splits) == 0
 
 
-def test_dispatch_falls_back_where_the_kernel_does_not_apply(rng, monkeypatch):
-    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 0)
-    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)
+def test_dispatch_falls_back_where_the_kernel_does_not_apply(rng):
+    wide = KernelPolicy(min_weight_elements=0, kernel_max_rows=64)
+    kw = dict(implementation="triton_interpret")
     w = jnp.asarray(rng.standard_normal((128, 48)), jnp.float32)
     for rows, k in ((65, 128), (4, 100)):  # too many rows; K not a multiple of 64
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
         wk = jnp.asarray(rng.standard_normal((k, 48)), jnp.float32)
-        np.testing.assert_array_equal(linear(x, wk, implementation="triton_interpret"), matmul_reference(x, wk))
+        np.testing.assert_array_equal(linear(x, wk, policy=wide, **kw), matmul_reference(x, wk))
     x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
-    np.testing.assert_allclose(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w), atol=1e-5)
-    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 1)  # more rows than the kernel is used for
-    np.testing.assert_array_equal(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w))
-    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)
-    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 1 << 20)  # small weights stay with XLA
-    np.testing.assert_array_equal(linear(x, w, implementation="triton_interpret"), matmul_reference(x, w))
+    np.testing.assert_allclose(linear(x, w, policy=wide, **kw), matmul_reference(x, w), atol=1e-5)
+    one_row = dataclasses.replace(wide, kernel_max_rows=1)  # more rows than the kernel is used for
+    np.testing.assert_array_equal(linear(x, w, policy=one_row, **kw), matmul_reference(x, w))
+    big_only = dataclasses.replace(wide, min_weight_elements=1 << 20)  # small weights stay with XLA
+    np.testing.assert_array_equal(linear(x, w, policy=big_only, **kw), matmul_reference(x, w))
 
 
 def test_model_projections_through_the_kernel(rng, monkeypatch):
-    monkeypatch.setattr(matmul_mod, "MIN_WEIGHT_ELEMENTS", 0)  # the small model's weights all qualify by size
-    monkeypatch.setattr(matmul_mod, "KERNEL_MAX_ROWS", 64)  # and the 2-row decode and 6-row verify use the kernel
+    # the small model's weights all qualify by size, and the 2-row decode and 6-row verify use the kernel
+    policy = KernelPolicy(min_weight_elements=0, kernel_max_rows=64)
     calls = []
     real = matmul_mod.skinny_matmul_triton
     monkeypatch.setattr(matmul_mod, "skinny_matmul_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -306,7 +302,7 @@ def test_model_projections_through_the_kernel(rng, monkeypatch):
         return dec, ver
 
     want = run(XLA)
-    got = run(Backend(matmul="triton_interpret"))
+    got = run(Backend(matmul="triton_interpret", policy=policy))
     assert calls, "the kernel was never used"
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4, rtol=0)
@@ -375,7 +371,7 @@ def test_int8_gemv_scales_and_casts_inside(rng, m, swiglu):
 
 
 def test_int8_layer_products_route_to_the_gemv_kernel(rng, monkeypatch):
-    """Up to LAYER_GEMV_MAX_ROWS (here 4) rows of an int8 [N <= 65536, K] weight: one multiply-add kernel (scale,
+    """Up to ``layer_gemv_max_rows`` (here 4) rows of an int8 [N <= 65536, K] weight: one multiply-add kernel (scale,
     cast, SwiGLU inside); more rows keep the tensor-core path; the results agree with the quantised reference."""
     calls = []
     real = matmul_mod.gemv_matmul_triton
@@ -383,18 +379,18 @@ def test_int8_layer_products_route_to_the_gemv_kernel(rng, monkeypatch):
     k, n = 256, 64
     q = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
     w = {"weight": q, "scale": jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)}
-    monkeypatch.setattr(matmul_mod, "LAYER_GEMV_MAX_ROWS", 4)
+    policy = KernelPolicy(layer_gemv_max_rows=4)
     for rows in (1, 4, 5):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         calls.clear()
-        y = linear(x, w, implementation="triton_interpret")
+        y = linear(x, w, implementation="triton_interpret", policy=policy)
         assert y.dtype == jnp.bfloat16 and bool(calls) == (rows <= 4)
         want = quantized_matmul_reference(x, q, w["scale"])
         np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64), rtol=2 ** -7,
                                    atol=1e-3)
         g = jnp.asarray(rng.standard_normal((rows, 2 * k)), jnp.bfloat16)
         calls.clear()
-        y = output_linear(g, w, swiglu=True, implementation="triton_interpret")
+        y = output_linear(g, w, swiglu=True, implementation="triton_interpret", policy=policy)
         assert bool(calls) == (rows <= 4) and all(c.get("swiglu") for c in calls)
         want = quantized_matmul_reference(swiglu_reference(g, k), q, w["scale"])
         np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(want, np.float64), rtol=2 ** -7,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
-from jaxmtp.model import forward, init_carry, init_params
-from jaxmtp.pallas import XLA, Backend, _auto_backend, override_backend, resolve_backend
+from jaxmtp.layers.gated_deltanet import GDNCarry
+from jaxmtp.model import commit_window, forward, init_carry, init_params
+from jaxmtp.pallas import XLA, Backend, KernelPolicy, auto_backend as _auto_backend, override_backend, resolve_backend
 import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.pallas._common import SplitSum
 from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
@@ -35,13 +35,14 @@ def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
     norm kernel adds (checked by counting them)."""
     kind = "triton_interpret"  # the GPU path; the TPU kernels are checked op by op (never picked automatically)
     cfg = small_config()
+    policy = KernelPolicy()
     if layout == "transposed":  # the output kernel needs K (attention 128, GDN Hv * dv, MLP I) a multiple of 128
         cfg = dataclasses.replace(cfg, intermediate_size=128, linear_value_head_dim=32)
-        monkeypatch.setattr(matmul_mod, "OUTPUT_GEMV_MAX_ROWS", 2)
+        policy = KernelPolicy(output_gemv_max_rows=2)
     split_products = []
     if layout == "split":  # K = 256 for every output product: two or more splits along K
         cfg = dataclasses.replace(cfg, intermediate_size=256, linear_value_head_dim=64, head_dim=64)
-        monkeypatch.setattr(matmul_mod, "OUTPUT_SPLIT_MAX_ROWS", 8)  # the verify window: 2 rows x 4 tokens
+        policy = KernelPolicy(output_split_max_rows=8)  # the verify window: 2 rows x 4 tokens
         real = matmul_mod.skinny_matmul_triton
 
         def spy(*a, **k):
@@ -52,7 +53,7 @@ def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
         monkeypatch.setattr(matmul_mod, "skinny_matmul_triton", spy)
         layout = "transposed"
     params = init_params(cfg, jax.random.key(0), jnp.float32, scale=0.1)
-    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind)
+    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, policy=policy)
     kernel_params = params
     if layout != "native":
         params = fuse_projections(params)
@@ -82,7 +83,7 @@ def test_model_with_kernels_matches_xla(rng, monkeypatch, layout):
         logits, _, steps = fwd(params, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)  # verify
         out.append(logits)
         n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes, every layer committed in one kernel launch
-        states = [c.state for c in select_steps(steps, n, backend.gdn_recurrent) if isinstance(c, GDNCarry)]
+        states = [c.state for c in commit_window(steps, n, backend) if isinstance(c, GDNCarry)]
         return out, states
 
     got, got_states = run(kernels, kernel_params)
@@ -120,6 +121,12 @@ def test_backend_registry():
         resolve_backend("fast")
     assert override_backend(gpu, "") == gpu
     assert override_backend(XLA, "norm=triton,gdn_mixer=triton") == Backend(norm="triton", gdn_mixer="triton")
-    for bad in ("nrom=triton", "norm"):
-        with pytest.raises(ValueError, match="gdn_mixer"):  # the message lists the fields
+    for bad in ("nrom=triton", "norm", "mixer_block_v=wide"):
+        with pytest.raises(ValueError, match="gdn_mixer|integer"):  # the message lists the fields
             override_backend(XLA, bad)
+    # kernel policy fields by name: the rest of the policy, and the implementations, stay as they were
+    tuned = override_backend(gpu, "output_split_max_rows=1,mixer_block_v=16,num_sms=none")
+    assert tuned.policy == dataclasses.replace(gpu.policy, output_split_max_rows=1, mixer_block_v=16, num_sms=None)
+    assert dataclasses.replace(tuned, policy=gpu.policy) == gpu
+    # thresholds that pick kernels by model size come from the policy too
+    assert _auto_backend("gpu", large, policy=KernelPolicy(matmul_kernel_max_hidden=4096)).matmul == "triton"

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmtp.layers.norms import rms_norm
-from jaxmtp.model import forward, init_carry, init_mtp_carry, init_params, mtp_forward
+from jaxmtp.pallas.norms.reference import rms_norm
+from jaxmtp.model import forward, init_carry, init_params
+from jaxmtp.mtp import init_mtp_carry, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas._common import SplitSum
 from jaxmtp.pallas.norms import add_rms_norm, draft_input, fc_input, supports

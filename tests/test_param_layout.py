@@ -2,6 +2,7 @@
 quantisation error stays within its bound (float64 numpy), the int8 product kernel (Pallas interpreter) matches a
 float64 product of the dequantised weight, and drafts from the int8 head mostly agree with the exact head's."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,15 +12,17 @@ import pytest
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.layers.projections import FUSED_COLUMN_MULTIPLE, FUSED_GROUPS
-from jaxmtp.model import (chosen_ids, draft_choice, draft_head, draft_ids, draft_pass_input, forward, init_carry,
-                          init_mtp_carry, init_params, mtp_forward)
-from jaxmtp.pallas import XLA, Backend
+from jaxmtp.model import forward, init_carry, init_params
+from jaxmtp.mtp import chosen_ids, draft_choice, draft_head, draft_ids, draft_pass_input, init_mtp_carry, mtp_forward
+from jaxmtp.pallas import XLA, Backend, KernelPolicy
+from jaxmtp.pallas.ops import Choice
 import jaxmtp.pallas.matmul as matmul_mod
 from jaxmtp.pallas.matmul import quantized_linear
 from jaxmtp.pallas.matmul.reference import unpack_int4
 from jaxmtp.config import ConfigError
 from jaxmtp.param_layout import (add_draft_head, default_draft_head_bits, fuse_projections, has_quantized_mtp,
-                                 native_layout, quantize_mtp, quantize_rows, quantize_rows_int4, serving_layout)
+                                 native_layout, quantize_mtp, serving_layout)
+from jaxmtp.quantize import quantize_rows, quantize_rows_int4
 
 
 def _config(moe: bool) -> Qwen35Config:
@@ -121,9 +124,9 @@ def test_int8_rows_are_within_half_a_step(rng):
                                                      (3, jnp.float32, True), (3, jnp.bfloat16, False)])
 def test_int8_product_kernel_matches_float64(rng, monkeypatch, m, dtype, in_kernel_scale):
     """One row: the multiply-add kernel; more: the tensor-core kernel, the column scale inside it (one split; N wide
-    enough for a wave of programs, here of 2) or applied after its split sums (SKINNY_COLUMN_SCALE off)."""
-    monkeypatch.setattr(matmul_mod, "SKINNY_COLUMN_SCALE", in_kernel_scale)
-    monkeypatch.setattr(matmul_mod, "NUM_SMS", 2)
+    enough for a wave of 16-column slabs, here with 2 SMs) or applied after its split sums (N narrower than a wave,
+    here with 132 SMs)."""
+    policy = KernelPolicy(num_sms=2 if in_kernel_scale else 132)
     scaled = []
     real = matmul_mod.skinny_matmul_triton
     monkeypatch.setattr(matmul_mod, "skinny_matmul_triton",
@@ -134,7 +137,7 @@ def test_int8_product_kernel_matches_float64(rng, monkeypatch, m, dtype, in_kern
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     want = np.asarray(x, np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
     for impl in ("xla", "triton_interpret"):
-        got = quantized_linear(x, q, scale, implementation=impl)
+        got = quantized_linear(x, q, scale, implementation=impl, policy=policy)
         assert got.dtype == jnp.float32 and got.shape == (m, n)
         err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
         assert err < 1e-6, (impl, err)  # int8 is exact in bf16; only float32 accumulation order remains
@@ -249,11 +252,10 @@ def test_int4_draft_head_stays_within_its_error_bound(rng, monkeypatch):
     assert np.all(np.abs(got - exact) <= bound * (1 + 1e-5) + 1e-6)
     # the drafts' ids: the kernel's argmax without the logits (1 row by default; here up to 4) is the argmax of
     # its logits, and other row counts take the logits' argmax
-    monkeypatch.setattr(matmul_mod, "DRAFT_ARGMAX_MAX_ROWS", 4)
     for rows in (1, 3, 4, 7):
         hb = h[:rows]
         for impl in ("triton_interpret", "xla"):
-            be = Backend(draft_head=impl)
+            be = Backend(draft_head=impl, policy=KernelPolicy(draft_argmax_max_rows=4))
             want = np.argmax(np.asarray(draft_head(params, hb, be)), axis=-1)
             np.testing.assert_array_equal(np.asarray(draft_ids(params, hb, be)), want)
     with pytest.raises(ValueError, match="4 or 8"):
@@ -270,12 +272,12 @@ def test_recursive_draft_input_from_argmax_partials(rng):
     be = Backend(draft_head="triton_interpret", norm="triton_interpret")
     h = jnp.asarray(rng.standard_normal((1, cfg.hidden_size)), jnp.bfloat16)
     choice = draft_choice(params, h, be)
-    assert choice[0] is None and choice[1][0].shape[0] == 1  # partials, one row
+    assert choice.ids is None and choice.partials[0].shape[0] == 1  # partials, one row
     ids = chosen_ids(choice)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(draft_ids(params, h, Backend(draft_head="xla"))))
     length, active = jnp.asarray([6], jnp.int32), jnp.asarray([True])
     d, x, pos = draft_pass_input(params, cfg, choice, h, be, position=(length, active, 2))
-    d_ref, x_ref, pos_ref = draft_pass_input(params, cfg, (ids, None), h, be, position=(length, ~active, 2))
+    d_ref, x_ref, pos_ref = draft_pass_input(params, cfg, Choice(ids=ids), h, be, position=(length, ~active, 2))
     np.testing.assert_array_equal(np.asarray(d), np.asarray(d_ref))
     assert pos.tolist() == [[8]] and pos_ref.tolist() == [[-1]]  # an idle row's pass writes nothing
     assert x.shape == (1, 1, 2 * cfg.hidden_size) and x.dtype == jnp.bfloat16
@@ -287,16 +289,15 @@ def test_recursive_draft_input_from_argmax_partials(rng):
     np.testing.assert_allclose(np.asarray(hm, np.float64), np.asarray(hm_ref, np.float64), atol=3e-2, rtol=0)
 
 
-def test_choice_from_the_final_norms_quantized_rows(rng, monkeypatch):
+def test_choice_from_the_final_norms_quantized_rows(rng):
     """mtp_forward(logits="choice") on the kernel backend (Pallas interpreter): the final norm kernel hands the int4
     head its rows already quantised, and the head's argmax partials, the drafted ids and the hidden equal those of
     the plain pass followed by draft_choice (which quantises the rows itself), for a one-token pass and for a
     window's pass on its accepted rows (two rows: the argmax kernel allowed up to 4 here, 1 by default)."""
-    monkeypatch.setattr(matmul_mod, "DRAFT_ARGMAX_MAX_ROWS", 4)
     cfg = _config(False).replace(hidden_size=128, vocab_size=4000)
     params = serving_layout(init_params(cfg, jax.random.key(8), jnp.float32, scale=0.1), draft_head_bits=4)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim == 2 else a, params)
-    be = Backend(draft_head="triton_interpret", norm="triton_interpret")
+    be = Backend(draft_head="triton_interpret", norm="triton_interpret", policy=KernelPolicy(draft_argmax_max_rows=4))
     b, t = 2, 3
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.bfloat16)
@@ -307,9 +308,9 @@ def test_choice_from_the_final_norms_quantized_rows(rng, monkeypatch):
         choice, hm, c = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, logits="choice", **kw)
         _, hm_ref, c_ref = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, logits="none", **kw)
         want = draft_choice(params, hm_ref[:, 0], be)
-        assert choice[0] is None and want[0] is None  # both are the argmax kernel's partials
+        assert choice.ids is None and want.ids is None  # both are the argmax kernel's partials
         np.testing.assert_array_equal(np.asarray(hm), np.asarray(hm_ref))
-        for got, exp in zip(choice[1], want[1]):
+        for got, exp in zip(choice.partials, want.partials):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
         np.testing.assert_array_equal(np.asarray(chosen_ids(choice)), np.asarray(draft_ids(params, hm_ref[:, 0])))
         jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), c, c_ref)
@@ -385,8 +386,9 @@ def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
     """The quantised MTP layer on the kernel backend (Pallas interpreter): in a recursive pass (one row) the qkv
     product forms the input norm, o_proj adds the residual and gate|up forms the post-attention norm and the SwiGLU;
     in a window's pass (three rows, drafting from one) the last two. The hidden, the drafted id and
-    the carry match those with the norms as launches of their own (FUSE_LAYER_NORMS off; the fused products skip the
-    normed rows' rounding to bf16) and the XLA path on the same int8 weights."""
+    the carry match those with the products on the tensor-core kernel and the norms as launches of their own
+    (``layer_gemv_max_rows=0``; the fused products skip the normed rows' rounding to bf16) and the XLA path on the
+    same int8 weights."""
     cfg = _config(False).replace(hidden_size=128, vocab_size=4000, intermediate_size=128)
     ti = "triton_interpret"
     be = Backend(draft_head=ti, norm=ti, mtp_matmul=ti, attention=ti, attention_prelude=ti)
@@ -411,9 +413,9 @@ def test_int8_mtp_layer_norms_inside_its_products(rng, monkeypatch):
         kw = dict(cfg=cfg, out_rows=rows, logits="choice")
         outs = {}
         for fuse in (True, False):
-            monkeypatch.setattr(matmul_mod, "FUSE_LAYER_NORMS", fuse)
             calls.clear()
-            outs[fuse] = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, backend=be, **kw)
+            backend = be if fuse else dataclasses.replace(be, policy=KernelPolicy(layer_gemv_max_rows=0))
+            outs[fuse] = mtp_forward(params, ids[:, sl], hidden[:, sl], pos[:, sl], carry, backend=backend, **kw)
             if fuse:
                 assert calls == want_calls, calls
         (fused, hm, c), (unfused, hm_ref, c_ref) = outs[True], outs[False]

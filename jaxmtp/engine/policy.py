@@ -1,19 +1,18 @@
 """The default number of draft tokens k for a model and a slot count.
 
 Speculation pays when the tokens a verify step emits (its mean acceptance length AL) outgrow what the step costs
-over a plain decode step. Measured on an H200 at Qwen3.5 shapes (docs/performance.md, "End-to-end decode"), at the
-acceptance lengths published for Qwen3.5's MTP head (1.9 / 2.4 / 2.9 for k = 1 / 2 / 3):
+over a plain decode step. Measured at Qwen3.5 shapes (docs/performance.md, "Speculation gain" and "Engine choices"),
+at the acceptance lengths published for Qwen3.5's MTP head (1.9 / 2.4 / 2.9 for k = 1 / 2 / 3):
 
-* dense models: k = 3 is the fastest at batch 1 and still faster than plain decoding at batch 64 (4B: 2.3x at
-  batch 1, 1.5x at 64; 27B: 2.5x at 1, 2.0x at 32; since the verify commits by replay (run 9, H100) the 4B gives
-  1.8x at 32 and 1.7x at 64). Larger slot counts were not measured: plain decoding there.
+* dense models: k = 3 is the fastest at batch 1 and still faster than plain decoding at batch 64. Larger slot
+  counts were not measured: plain decoding there.
 * MoE models with the grouped-expert kernel (``backend.moe`` not ``"xla"``, the GPU default): the expert matmuls
-  cost about the bytes of the experts touched, so speculation pays like in dense models. 35B-A3B, k = 3: 2.1x plain
-  at batch 1, 1.35x at 8, 1.8x at 32, 1.9x at 64 (k = 1 at batch 8: 1.28x).
+  cost about the bytes of the experts touched, so speculation pays like in dense models (35B-A3B, k = 3: faster
+  than plain decoding from batch 1 to 64).
 * MoE models on the XLA path (``ragged_dot``): a verify step multiplies the routed rows (slots x (k+1) x top-k) and
-  the expert matmuls cost about in proportion to them. 35B-A3B: batch 1, k = 3 (32 rows) costs 2.0x a plain step
-  and pays (1.45x at AL 2.9); batch 8, k = 1 (128 rows) costs 1.9x and gains nothing; batch 32, k = 3 costs 3.4x.
-  So there k is the largest value whose routed rows stay within an eighth of the experts, else 0.
+  the expert matmuls cost about in proportion to them: k = 3 pays at batch 1 (32 routed rows for 35B-A3B), k = 1
+  at batch 8 (128 rows) gains nothing. So there k is the largest value whose routed rows stay within an eighth of
+  the experts, else 0.
 
 With a drafter that accepts less than published (AL below the step-cost ratio), pass ``num_draft_tokens``
 explicitly: every request's statistics report its measured acceptance.

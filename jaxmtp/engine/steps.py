@@ -8,7 +8,7 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
    ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
    token budget;
 3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
-   :func:`jaxmtp.layers.gated_deltanet.select_steps`, every layer in one kernel launch); KV caches just advance
+   :func:`jaxmtp.model.commit_window`, every layer in one kernel launch); KV caches just advance
    ``length`` (rows past it are stale and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states (every row
    enters its KV cache; o_proj, the MLP and the head run on row ``a`` alone), row ``a`` gives ``d'_1``; ``k - 1``
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
-from jaxmtp.model import chosen_ids, draft_pass_input, forward, init_carry, init_mtp_carry, lm_head, mtp_forward
+from jaxmtp.model import commit_window, forward, init_carry, lm_head, reset_slots
+from jaxmtp.mtp import chosen_ids, draft_pass_input, init_mtp_carry, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.sampling import MAX_STOP_IDS, greedy_tokens, sample_tokens
 
@@ -107,11 +107,8 @@ def admit(state: SlotState, slots, max_gen, temperature, top_k, top_p, seed_lo, 
     """Write a new request's settings into ``slots`` [Bp] (out-of-range slot ids are ignored) and zero the slots'
     GDN carries (KV rows need no reset: a query never reads rows past its own position)."""
     put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
-    carry = tuple(
-        GDNCarry(put(c.conv, 0), put(c.state, 0)) if isinstance(c, GDNCarry) else c for c in state.carry
-    )
     return state.replace(
-        carry=carry,
+        carry=reset_slots(state.carry, slots),
         max_gen=put(state.max_gen, max_gen), temperature=put(state.temperature, temperature),
         top_k=put(state.top_k, top_k), top_p=put(state.top_p, top_p), seed_lo=put(state.seed_lo, seed_lo),
         seed_hi=put(state.seed_hi, seed_hi), stop_ids=put(state.stop_ids, stop_ids),
@@ -150,10 +147,9 @@ def _finish(tokens, n, generated, max_gen, stop_ids):
 
 
 def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backend):
-    """Draft 1 from the first pass's hidden h1 [B, H] and its head's ``choice`` (:func:`jaxmtp.model.draft_choice`),
+    """Draft 1 from the first pass's hidden h1 [B, H] and its head's ``choice`` (``mtp_forward(logits="choice")``),
     then recursive MTP steps 2..k (token d_{i}, MTP hidden, position new_length + i - 1; each pass's input formed
-    from the previous head's choice, in one kernel where the head leaves argmax partials:
-    :func:`jaxmtp.model.draft_pass_input`). Returns ([B, k], carry)."""
+    from the previous head's choice: :func:`jaxmtp.mtp.draft_pass_input`). Returns ([B, k], carry)."""
     drafts, h = [], h1
     for i in range(1, k):
         # the pass's positions come from the input kernel too (no XLA kernel for them)
@@ -182,7 +178,7 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
     generated0 = jnp.zeros_like(n_valid)
-    first = sample_tokens(lm_head(params, h_last, backend.matmul)[:, None], row(state.temperature), row(state.top_k),
+    first = sample_tokens(lm_head(params, h_last, backend)[:, None], row(state.temperature), row(state.top_k),
                           row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None])[:, 0]
     prompt_len = jnp.max(positions, axis=1) + 1
     new_state = state.replace(carry=_put(state.carry, slots, carry))
@@ -231,7 +227,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
         n = a + 1
 
         n_commit = jnp.where(act, n, 0)  # inactive rows commit nothing: their carry stays as it was
-        carry = select_steps(carry, n_commit, backend.gdn_recurrent)  # every GDN layer in one commit kernel
+        carry = commit_window(carry, n_commit, backend)
     else:
         a = jnp.zeros_like(state.length)
         n = a + 1
@@ -310,7 +306,7 @@ def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps:
 
 
 # A step's outputs travel as one int32 array [S, k + 1 + 5] (tokens, then one column per row output): the loop then
-# writes one output buffer per step instead of six, each write a kernel of its own (docs/performance.md, run 11).
+# writes one output buffer per step instead of six, each write a kernel of its own (docs/engine.md).
 _ROW_OUTPUTS = ("n_emit", "accepted", "finished", "reason", "was_active")
 _BOOL_OUTPUTS = ("finished", "was_active")
 

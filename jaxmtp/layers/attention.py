@@ -12,11 +12,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import output_product, project
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
-from jaxmtp.pallas.attention import cached_attention, fused_gated_attention, output_gate_reference, prelude_reference
-from jaxmtp.layers.rope import rope_inv_freq
-from jaxmtp.pallas.matmul import linear, output_linear
+from jaxmtp.layers.projections import fused_product
+from jaxmtp.pallas import ops
+from jaxmtp.pallas.attention.rope import rope_inv_freq
+from jaxmtp.pallas.backend import XLA, Backend
 
 
 @struct.dataclass
@@ -40,36 +39,14 @@ def take_rows(a: jax.Array, rows: jax.Array | None) -> jax.Array:
     return jnp.take_along_axis(a, idx, axis=1)
 
 
-def gated_attention(p, cfg: Qwen35Config, x, positions, cos, sin, cache: KVCache, *, implementation="xla",
-                    matmul="xla", prelude="xla", out_matmul="xla", out_rows=None, partials=False, residual=None):
-    """x: [B, T, H]; positions: [B, T] (-1 = padding); cos/sin: [B, T, rotary_dim]. Returns ([B, T, H], cache).
-    ``out_rows`` [B] int32: the output only at that row of each window ([B, 1, H]; o_proj runs on it alone) while
-    every row's keys and values still enter the cache. ``partials``: the output may be a
-    :class:`jaxmtp.pallas._common.SplitSum` (o_proj's split-K partials, for the residual add + norm).
-    ``implementation`` names the attention kernel, ``matmul`` the projections', ``prelude`` the fused path from the
-    projection to the gated output (:func:`jaxmtp.pallas.attention.fused_gated_attention`; Triton names and the
-    serving layout only, else unused), ``out_matmul`` o_proj's when it is stored transposed
-    (:func:`jaxmtp.layers.projections.output_product`). ``residual`` [B, T or 1, H] (a quantised o_proj only,
-    :func:`jaxmtp.pallas.matmul.layer_gemv_fuses`): returns ``residual + attention`` (the block's residual add inside
-    o_proj's kernel). x may be a :class:`jaxmtp.pallas._common.NormedRows` (the layer's input norm, formed by the
-    qkv product)."""
-    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-
-    def o_proj(a):
-        if residual is not None:
-            return output_linear(a, p["o_proj"], implementation=matmul, residual=residual)
-        return output_product(p, "o_proj", a, mm, out_matmul, partials)
-
-    b, t, _ = x.shape
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    if prelude in (TRITON, TRITON_INTERPRET) and "qkv_proj" in p:
-        # the kernel forms the rotary angles from the positions (cos and sin unused here: no XLA kernels for them)
-        y, k, v = fused_gated_attention(mm(x, p["qkv_proj"]), p["q_norm"], p["k_norm"],
-                                        rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), cache.k, cache.v, positions,
-                                        hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps, implementation=prelude,
-                                        attention=implementation, out_rows=out_rows)
-        return o_proj(y), KVCache(k, v)  # y: the out_rows row alone already (the epilogue picks it)
-    q, gate, k, v = prelude_reference(*project(p, x, "qkv_proj", mm, cfg), p["q_norm"], p["k_norm"], cos, sin,
-                                      cache.k, cache.v, positions, hq=hq, hkv=hkv, d=d, eps=cfg.rms_norm_eps)
-    o = cached_attention(q, k, v, positions, implementation=implementation)
-    return o_proj(take_rows(output_gate_reference(o, gate), out_rows)), KVCache(k, v)
+def gated_attention(p, cfg: Qwen35Config, x, positions, cache: KVCache, *, backend: Backend = XLA, out_rows=None):
+    """The layer up to its output projection: x [B, T, H] (or the lazy input norm, :func:`jaxmtp.pallas.ops.normed`);
+    positions [B, T] (-1 = padding). Returns (the gated attention output [B, T, Hq*D], the new cache); with
+    ``out_rows`` [B] int32 the output only at that row of each window ([B, 1, Hq*D]) while every row's keys and
+    values still enter the cache. The caller applies o_proj (:func:`jaxmtp.pallas.ops.output_add_norm`)."""
+    proj = fused_product(p, x, "qkv_proj", lambda a, w: ops.linear(a, w, backend), lambda a: ops.form(a, backend))
+    y, k, v = ops.fused_gated_attention(proj, p["q_norm"], p["k_norm"], rope_inv_freq(cfg.rotary_dim, cfg.rope_theta),
+                                        cache.k, cache.v, positions, backend, hq=cfg.num_attention_heads,
+                                        hkv=cfg.num_key_value_heads, d=cfg.head_dim, eps=cfg.rms_norm_eps,
+                                        out_rows=out_rows)
+    return y, KVCache(k, v)

@@ -8,17 +8,14 @@ serving layout holds ``in_proj_qkvzba`` (the four input projections concatenated
 
 Rollback for speculative decoding: with ``step_states=True`` :func:`gated_deltanet` returns a :class:`GDNSteps`
 instead of the new carry: the state before the verify window, the old conv ring and the window's raw inputs, conv
-outputs and gates.
-:func:`select_step` commits the first n tokens of each row once the accepted length is known, by running the rule
-over them again from the old state (the other tokens masked with g = beta = 0, which leaves a state unchanged). The
-committed state is the one plain decoding reaches, computed by the same per-token arithmetic; and a verify step
-moves each layer's state once in and once out (plus the commit's read), where keeping the state after every token
-(T states written, one read back) moved T + 2 states per slot (docs/performance.md, run 9).
+outputs and gates. :func:`commit_steps` commits the first n tokens of each row once the accepted length is known, by
+running the rule over them again from the old state (the other tokens masked with g = beta = 0, which leaves a state
+unchanged). The committed state is the one plain decoding reaches, computed by the same per-token arithmetic; and a
+verify step moves each layer's state once in and once out (plus the commit's read), where keeping the state after
+every token would move T + 2 states per slot.
 
-The conv carry is a ring of K rows indexed by absolute position (row ``q % K`` holds the raw input at position q),
-not a shifted window of K-1: a decode step then writes one row the step does not read, so the one-kernel mixer
-updates the carry in place, where rewriting a shifted window raced with the programs reading it and cost a copy of
-every layer's window per step (docs/performance.md, run 11).
+The conv carry is a ring of K rows indexed by absolute position (row ``q % K`` holds the raw input at position q;
+:mod:`jaxmtp.pallas.gated_delta_rule.mixer_reference`).
 """
 
 from __future__ import annotations
@@ -28,16 +25,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.norms import gated_rms_norm
-from jaxmtp.layers.projections import output_product, project, split_fused
-from jaxmtp.pallas.matmul import linear
-from jaxmtp.pallas.gated_delta_rule import (
-    chunk_gated_delta_rule,
-    commit_windows,
-    fused_recurrent_gated_delta_rule,
-    gdn_mixer,
-    use_fused_mixer,
-)
+from jaxmtp.layers.projections import fused_product, split_fused
+from jaxmtp.pallas import ops
+from jaxmtp.pallas.backend import XLA, Backend
+from jaxmtp.pallas.gated_delta_rule.mixer_reference import conv_heads, gates, ring_update
+from jaxmtp.pallas.norms.reference import gated_rms_norm
 
 
 @struct.dataclass
@@ -76,47 +68,21 @@ class GDNSteps:
     start: jax.Array
 
 
-def select_step(steps: GDNSteps, n_tokens: jax.Array, implementation: str = "xla") -> GDNCarry:
-    """Carry after the first ``n_tokens[b]`` (0..T) tokens of each row's window: the rule runs again over them
-    from the old state (``implementation`` names the recurrent kernel; its final state overwrites the old one)."""
-    return select_steps((steps,), n_tokens, implementation)[0]
-
-
-def select_steps(carry: tuple, n_tokens: jax.Array, implementation: str = "xla") -> tuple:
-    """:func:`select_step` for every :class:`GDNSteps` of a model's carry (other entries returned as they are). A
-    Triton ``implementation`` commits every layer's state in one kernel launch, reading each layer's window as it is
-    (:func:`jaxmtp.pallas.gated_delta_rule.commit_windows`); the conv rings update with XLA, which fuses them
-    (:func:`ring_update`). Committing the rings in the kernel too removed those kernels but made it take 44 s to
-    compile instead of 2 at the 0.8B shapes (H100, docs/performance.md run 18)."""
+def commit_steps(carry: tuple, n_tokens: jax.Array, backend: Backend = XLA) -> tuple:
+    """Every :class:`GDNSteps` of a model's carry committed to the first ``n_tokens[b]`` (0..T) tokens of each row's
+    window (other entries returned as they are): the rule runs again over them from the old state, every layer in
+    one launch where the commit kernel runs (:func:`jaxmtp.pallas.ops.commit_windows`); the conv rings update with
+    XLA, which fuses them (:func:`ring_update`)."""
     at = [i for i, c in enumerate(carry) if isinstance(c, GDNSteps)]
     if not at:
         return tuple(carry)
     steps = [carry[i] for i in at]
     each = lambda name: [getattr(s, name) for s in steps]  # noqa: E731
-    states = commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens,
-                            implementation=implementation)
+    states = ops.commit_windows(each("k"), each("v"), each("g"), each("beta"), each("state"), n_tokens, backend)
     out = list(carry)
     for i, s, state in zip(at, steps, states):
         out[i] = GDNCarry(ring_update(s.ring, s.inputs, s.start, n_tokens), state)
     return tuple(out)
-
-
-def window_from_ring(ring: jax.Array, start: jax.Array) -> jax.Array:
-    """The conv window before position ``start [B]``: raw inputs at positions start-K+1 .. start-1, in order,
-    ``[B, K-1, C]`` from the ring ``[B, K, C]`` (zeros before position 0: the ring starts zeroed)."""
-    k = ring.shape[1]
-    slots = (start[:, None] + jnp.arange(1 - k, 0)[None]) % k
-    return jnp.take_along_axis(ring, slots[:, :, None], axis=1)
-
-
-def ring_update(ring: jax.Array, inputs: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
-    """``ring [B, K, C]`` after writing ``inputs[b, i]`` (position start[b] + i) for i < n[b], in order of i: row j
-    takes the last such i with ``(start + i) % K == j`` and keeps its value if there is none."""
-    k, t = ring.shape[1], inputs.shape[1]
-    j = jnp.arange(k)[None]
-    last = n[:, None] - 1 - ((n[:, None] - 1 - (j - start[:, None])) % k)  # [B, K]; < 0: row j not written
-    src = jnp.take_along_axis(inputs, jnp.clip(last, 0, t - 1)[:, :, None], axis=1)
-    return jnp.where((last >= 0)[..., None], src.astype(ring.dtype), ring)
 
 
 def row_start(positions: jax.Array) -> jax.Array:
@@ -124,97 +90,37 @@ def row_start(positions: jax.Array) -> jax.Array:
     return jnp.maximum(positions[:, 0], 0).astype(jnp.int32)
 
 
-def causal_conv(conv_inputs: jax.Array, weight: jax.Array) -> jax.Array:
-    """Depthwise causal conv + SiLU. conv_inputs: [B, K-1+T, C]; weight: [K, C] -> [B, T, C] (float32 math)."""
-    k = weight.shape[0]
-    t = conv_inputs.shape[1] - (k - 1)
-    xs = conv_inputs.astype(jnp.float32)
-    w = weight.astype(jnp.float32)
-    acc = sum(xs[:, j : j + t] * w[j] for j in range(k))
-    return jax.nn.silu(acc)
+def gated_deltanet(p, cfg: Qwen35Config, x, positions: jax.Array, carry: GDNCarry, *, form: str = "chunk",
+                   step_states: bool = False, backend: Backend = XLA):
+    """One GDN mixer over a window, up to its output projection.
 
-
-def gated_deltanet(
-    p,
-    cfg: Qwen35Config,
-    x: jax.Array,
-    positions: jax.Array,
-    carry: GDNCarry,
-    *,
-    form: str = "chunk",
-    step_states: bool = False,
-    implementation: str = "xla",
-    matmul: str = "xla",
-    mixer: str = "xla",
-    out_matmul: str = "xla",
-    partials: bool = False,
-):
-    """One GDN mixer over a window.
-
-    x: [B, T, H]; positions: [B, T] int32, consecutive from the row's length, -1 on padding at the end of a row.
-    ``form`` is ``"chunk"`` or
-    ``"recurrent"``; ``step_states=True`` (recurrent only) returns :class:`GDNSteps` instead of the new carry.
-    ``implementation`` names the gated delta rule kernel, ``matmul`` the projections', ``mixer`` the one-kernel
-    recurrent mixer (:func:`jaxmtp.pallas.gated_delta_rule.gdn_mixer`; serving layout only, else unused),
-    ``out_matmul`` out_proj's when it is stored transposed (:func:`jaxmtp.layers.projections.output_product`;
-    ``partials``: y may be a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm).
-    Returns (y [B, T, H], GDNCarry | GDNSteps).
+    x: [B, T, H] (or the lazy input norm, :func:`jaxmtp.pallas.ops.normed`); positions: [B, T] int32, consecutive
+    from the row's length, -1 on padding at the end of a row. ``form`` is ``"chunk"`` or ``"recurrent"``;
+    ``step_states=True`` (recurrent) returns :class:`GDNSteps` instead of the new carry. Returns (the gated norm's
+    output [B, T, Hv*dv], GDNCarry | GDNSteps); the caller applies out_proj
+    (:func:`jaxmtp.pallas.ops.output_add_norm`).
     """
-    b, t, _ = x.shape
+    b, t = x.shape[:2]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    out_proj = lambda a: output_product(p, "out_proj", a, mm, out_matmul, partials)  # noqa: E731
-    valid, start = positions >= 0, row_start(positions)
-    if (step_states or form == "recurrent") and "in_proj_qkvzba" in p and use_fused_mixer(cfg, t, mixer):
-        return _fused_mixer(p, cfg, x, valid, start, carry, step_states, mixer, mm, out_proj)
-    # mixed [B, T, C]: the raw conv inputs; z [B, T, Hv*dv]; b, a [B, T, Hv]
-    mixed, z, b_raw, a = project(p, x, "in_proj_qkvzba", mm, cfg)
+    proj = fused_product(p, x, "in_proj_qkvzba", lambda a, w: ops.linear(a, w, backend),
+                         lambda a: ops.form(a, backend))
+    mixed, z, b_raw, a_raw = split_fused(proj, "in_proj_qkvzba", p, cfg)
     z = z.reshape(b, t, hv, dv)
-    beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))
-    a = a.astype(jnp.float32)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
-    # Padding tokens must leave the state untouched: no decay (g = 0) and no write (beta = 0).
-    g = jnp.where(valid[..., None], g, 0.0)
-    beta = jnp.where(valid[..., None], beta, 0.0)
-
-    mixed = mixed.astype(carry.conv.dtype)
-    conv_inputs = jnp.concatenate([window_from_ring(carry.conv, start), mixed], axis=1)
-    c = causal_conv(conv_inputs, p["conv1d"]).astype(x.dtype)
-    q = c[..., : hk * dk].reshape(b, t, hk, dk)
-    k = c[..., hk * dk : 2 * hk * dk].reshape(b, t, hk, dk)
-    v = c[..., 2 * hk * dk :].reshape(b, t, hv, dv)
-
-    common = dict(initial_state=carry.state, use_qk_l2norm_in_kernel=True, implementation=implementation)
-    if step_states:
-        o, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=False, **common)
-    elif form == "recurrent":
-        o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **common)
-    elif form == "chunk":
-        o, final = chunk_gated_delta_rule(q, k, v, g, beta, **common)
-    else:
+    valid, start = positions >= 0, row_start(positions)
+    if step_states or form == "recurrent":
+        o, out = ops.gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, start,
+                               backend, cfg=cfg, replay=step_states)
+        y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
+        if step_states:
+            return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
+        state, ring = out
+        return y, GDNCarry(ring, state)
+    if form != "chunk":
         raise ValueError(f"unknown GDN form {form!r}")
-
+    g, beta = gates(b_raw, a_raw, p["A_log"], p["dt_bias"], valid)
+    q, k, v = conv_heads(mixed, carry.conv, p["conv1d"], start, hk=hk, hv=hv, dk=dk, dv=dv, dtype=proj.dtype)
+    o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, carry.state, backend)
     y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    y = out_proj(y)
-    if step_states:
-        return y, GDNSteps(carry.state, carry.conv, mixed, k, v, g, beta, start)
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     return y, GDNCarry(ring_update(carry.conv, mixed, start, n_valid), final)
-
-
-def _fused_mixer(p, cfg: Qwen35Config, x, valid, start, carry: GDNCarry, step_states: bool, implementation: str,
-                 mm, out_proj):
-    """The recurrent path with conv, gates and rule in one kernel after the fused input projection
-    (:mod:`jaxmtp.pallas.gated_delta_rule.mixer_triton`)."""
-    b, t, _ = x.shape
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    proj = mm(x, p["in_proj_qkvzba"])
-    o, out = gdn_mixer(proj, carry.conv, p["conv1d"], p["A_log"], p["dt_bias"], carry.state, valid, start, cfg=cfg,
-                       replay=step_states, implementation=implementation)
-    mixed, z, _, _ = split_fused(proj, "in_proj_qkvzba", p, cfg)
-    y = out_proj(gated_rms_norm(o, z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps).reshape(b, t, hv * dv))
-    if step_states:
-        return y, GDNSteps(carry.state, carry.conv, mixed.astype(carry.conv.dtype), *out, start)
-    state, ring = out
-    return y, GDNCarry(ring, state)

@@ -12,29 +12,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import Qwen35Config
-from jaxmtp.layers.projections import output_product, part_widths, project
-from jaxmtp.pallas.matmul import layer_swiglu, linear, output_linear
-from jaxmtp.pallas.moe import moe_experts
+from jaxmtp.layers.projections import output_weight, part_widths
+from jaxmtp.pallas import ops
+from jaxmtp.pallas.backend import XLA, Backend
 
 
-def dense_mlp(p, x: jax.Array, matmul: str = "xla", out_matmul: str = "xla", partials: bool = False) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` for x [..., H]; ``matmul`` names the projection implementation,
-    ``out_matmul`` down_proj's when it is stored transposed (then, with gate|up fused, the kernel forms the SwiGLU;
-    ``partials``: it may return a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm). x may be
-    a :class:`jaxmtp.pallas._common.NormedRows` (the post-attention norm, formed by the gate|up product). An int8
-    down_proj (the quantised MTP layer) does not form the SwiGLU: inside its one-row product that took 6.1-6.3 us
-    against 4.2 + 1.4 (H100, runs 15 and 18). The int8 gate|up product forms it instead where
-    :func:`jaxmtp.pallas.matmul.layer_swiglu` runs."""
-    mm = lambda a, w: linear(a, w, implementation=matmul)  # noqa: E731
-    if "down_proj_t" in p and "gate_up_proj" in p:
-        return output_linear(mm(x, p["gate_up_proj"]), p["down_proj_t"], swiglu=True, implementation=out_matmul,
-                             partials=partials)
-    fused = layer_swiglu(x, p["gate_up_proj"], part_widths(None, "gate_up_proj", p)[0], matmul) if (
-        "gate_up_proj" in p) else None
-    if fused is None:
-        gate, up = project(p, x, "gate_up_proj", mm)
-        fused = jax.nn.silu(gate) * up
-    return output_product(p, "down_proj", fused, mm, out_matmul, partials)
+def dense_mlp(p, x, backend: Backend = XLA, partials: bool = False):
+    """``down(silu(gate(x)) * up(x))`` for x [..., H] (or a lazy norm, :func:`jaxmtp.pallas.ops.normed`).
+    ``partials``: the result may be a :class:`jaxmtp.pallas._common.SplitSum`, for the residual add + norm."""
+    down, transposed = output_weight(p, "down_proj")
+    if "gate_up_proj" in p:
+        width = part_widths(None, "gate_up_proj", p)[0]
+        return ops.swiglu_mlp(x, p["gate_up_proj"], down, transposed, width, backend, partials=partials)
+    x = ops.form(x, backend)
+    act = jax.nn.silu(ops.linear(x, p["gate_proj"], backend)) * ops.linear(x, p["up_proj"], backend)
+    return ops.output_product(act, down, transposed, backend, partials=partials)
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool):
@@ -46,16 +38,15 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool):
     return weights, experts
 
 
-def moe_mlp(p, cfg: Qwen35Config, x: jax.Array, implementation: str = "xla", matmul: str = "xla",
-            out_matmul: str = "xla") -> jax.Array:
-    """Sparse MoE block for x [..., H]: routed experts (``implementation``: see :func:`jaxmtp.pallas.moe.moe_experts`) plus the
-    sigmoid-gated shared expert (``matmul`` / ``out_matmul``: its projections, as in :func:`dense_mlp`)."""
+def moe_mlp(p, cfg: Qwen35Config, x, backend: Backend = XLA) -> jax.Array:
+    """Sparse MoE block for x [..., H]: routed experts (:func:`jaxmtp.pallas.ops.moe_experts`) plus the
+    sigmoid-gated shared expert (:func:`dense_mlp`)."""
+    x = ops.form(x, backend)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, experts = route(x2 @ p["gate"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     ex = p["experts"]
-    routed = moe_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"],
-                         implementation=implementation)
-    shared = dense_mlp(p["shared_expert"], x2, matmul, out_matmul)
+    routed = ops.moe_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"], backend)
+    shared = ops.form(dense_mlp(p["shared_expert"], x2, backend), backend)
     shared = jax.nn.sigmoid((x2 @ p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
     return (routed + shared).reshape(shape)

@@ -2,7 +2,7 @@
 
 The native (checkpoint) layout stores each projection separately; :func:`jaxmtp.param_layout.fuse_projections`
 concatenates every group below into one weight (columns zero-padded to a multiple of ``FUSED_COLUMN_MULTIPLE``) for
-serving. :func:`project` reads either layout, so the layers run on both.
+serving. :func:`fused_product` reads either layout, so the layers run on both.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
-from jaxmtp.pallas.matmul import is_quantized, output_linear
+from jaxmtp.pallas.ops import is_quantized
 
 # Projections that end a block (their output joins the residual stream). The serving layout may store them
-# transposed, ``[N, K]`` under ``name + "_t"`` (:func:`jaxmtp.param_layout.set_output_layout`), for a one-row
-# kernel that needs no split along K (:func:`jaxmtp.pallas.matmul.output_linear`).
+# transposed, ``[N, K]`` under ``name + "_t"`` (:func:`jaxmtp.param_layout.set_output_layout`), for the one-row
+# output kernels (:func:`jaxmtp.pallas.ops.output_product`).
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
 TRANSPOSED_SUFFIX = "_t"
 
@@ -45,14 +46,14 @@ def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
     return (i, i)
 
 
-def project(p, x: jax.Array, fused: str, mm: Callable, cfg=None) -> list[jax.Array]:
-    """``[x @ W_i for W_i in FUSED_GROUPS[fused]]`` for x [..., K]: with ``p[fused]`` present (shape
-    [K, >= sum of the parts' widths]) one product sliced into the parts, else one product per part. ``mm(x, w)``
-    computes a product; ``cfg`` gives the widths (not needed for SwiGLU)."""
-    names = FUSED_GROUPS[fused]
-    if fused not in p:
-        return [mm(x, p[name]) for name in names]
-    return split_fused(mm(x, p[fused]), fused, p, cfg)
+def fused_product(p, x, fused: str, mm: Callable, form: Callable):
+    """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or, in the native layout, the
+    parts' products concatenated (x formed once first with ``form``: it may be a lazy norm). ``mm(x, w)`` computes a
+    product."""
+    if fused in p:
+        return mm(x, p[fused])
+    x = form(x)
+    return jnp.concatenate([mm(x, p[name]) for name in FUSED_GROUPS[fused]], axis=-1)
 
 
 def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
@@ -65,10 +66,9 @@ def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
     return outs
 
 
-def output_product(p, name: str, x: jax.Array, mm: Callable, implementation: str = "xla", partials: bool = False):
-    """``x @ W`` for the output projection ``name`` (one of :data:`OUTPUT_PROJECTIONS`): stored transposed
-    (``p[name + "_t"]``, [N, K]) it runs :func:`output_linear` with ``implementation`` (``partials``: a
-    :class:`jaxmtp.pallas._common.SplitSum` may come back), else ``mm(x, p[name])``."""
+def output_weight(p, name: str):
+    """``(w, transposed)`` for the output projection ``name`` (one of :data:`OUTPUT_PROJECTIONS`): stored transposed
+    under ``name + "_t"`` ([N, K]) or as it is under ``name``."""
     if name + TRANSPOSED_SUFFIX in p:
-        return output_linear(x, p[name + TRANSPOSED_SUFFIX], implementation=implementation, partials=partials)
-    return mm(x, p[name])
+        return p[name + TRANSPOSED_SUFFIX], True
+    return p[name], False

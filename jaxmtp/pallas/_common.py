@@ -32,33 +32,6 @@ class SplitSum:
         return self.parts.shape[1:]
 
 
-@struct.dataclass
-class NormedRows:
-    """``rms_norm(x, weight, eps)`` (:func:`jaxmtp.layers.norms.rms_norm`) not formed yet: the one product that
-    consumes it normalises its input rows itself (:func:`jaxmtp.pallas.matmul.linear` with the int8 layer kernel),
-    so the norm needs no launch of its own. Any other consumer forms it first with the ``implementation`` named
-    (:func:`jaxmtp.pallas.norms.rms_norm`)."""
-
-    x: jax.Array
-    weight: jax.Array
-    eps: float = struct.field(pytree_node=False)
-    implementation: str = struct.field(pytree_node=False, default="xla")
-
-    @property
-    def shape(self) -> tuple:
-        return self.x.shape
-
-    @property
-    def dtype(self):
-        return self.x.dtype
-
-    def formed(self) -> jax.Array:
-        """The normed rows as an array (one norm launch on a kernel backend)."""
-        from jaxmtp.pallas.norms import rms_norm  # the norms package imports the matmul package, which imports this
-
-        return rms_norm(self.x, self.weight, self.eps, implementation=self.implementation)
-
-
 def dense(y):
     """The value of ``y``: a :class:`SplitSum`'s parts summed (float32) and rounded to its dtype; an array as it is."""
     if isinstance(y, SplitSum):

@@ -11,7 +11,7 @@ RoPE, cache write, attention, output gate): with a Triton implementation two ker
 
 import jax.numpy as jnp
 
-from jaxmtp.layers.rope import rope_cos_sin
+from jaxmtp.pallas.attention.rope import rope_cos_sin
 from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
 from jaxmtp.pallas.attention.reference import (attention_reference, output_gate_reference, prelude_reference,
                                                split_qkv)
@@ -44,7 +44,7 @@ def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementa
 def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
                           implementation="xla", attention=None, out_rows=None):
     """Gated attention of a decode / verify window from the fused projection ``proj [B, T, P]`` (serving layout's
-    ``qkv_proj``, :func:`split_qkv`; ``inv_freq`` [rotary_dim / 2]: :func:`jaxmtp.layers.rope.rope_inv_freq`; other
+    ``qkv_proj``, :func:`split_qkv`; ``inv_freq`` [rotary_dim / 2]: :func:`jaxmtp.pallas.attention.rope.rope_inv_freq`; other
     inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in proj.dtype, k_cache, v_cache); with
     ``out_rows`` [B] int32 y is [B, 1, Hq*D], that row of each window (every row still enters the cache).
 

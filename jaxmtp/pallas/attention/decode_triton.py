@@ -26,9 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import mm, next_pow2
+from jaxmtp.pallas.policy import device_num_sms
 
 _NEG = -1e30
-NUM_SMS = 132  # H100 / H200; only sets how many splits decode uses
 
 
 def _kernel(q_ref, pos_ref, k_ref, v_ref, *out_refs, scale, block_kv, n_split, s_len, interpret):
@@ -74,8 +74,10 @@ def _kernel(q_ref, pos_ref, k_ref, v_ref, *out_refs, scale, block_kv, n_split, s
         l_ref[...] = l
 
 
-def plan(b, t, hq, hkv, s, num_sms=NUM_SMS):
-    """Static tiling for a call: (rows per tile BM, kv block BS, number of splits)."""
+def plan(b, t, hq, hkv, s, num_sms=None):
+    """Static tiling for a call: (rows per tile BM, kv block BS, number of splits); ``num_sms``: default the
+    device's."""
+    num_sms = num_sms or device_num_sms()
     rows = t * (hq // hkv)
     bm = max(16, next_pow2(rows)) if rows <= 64 else 64
     bs = 64 if s >= 64 else max(16, 1 << (s.bit_length() - 1))

@@ -7,8 +7,8 @@ and ropes it (the angles formed from the position and the rotary frequencies, wh
 step for the cos and sin tables) and stores it straight into the attention kernel's packed layout ``qr [B, Hkv, MP, D]``
 (row ``i * G + j``, :mod:`.decode_triton`), or (j = G) the kv head's k, normed and roped, and v into the caches at row
 ``positions[b, i]`` in place (input-output aliases; nothing for padding tokens). One program per head row keeps each
-program's chain short: a version with one program per kv head looping over its heads and tokens took 10.6 us for a
-4-token verify window at the 4B shape (H100). Programs ``(b, 0, j, i)`` also write the packed row positions
+program's chain short: a version with one program per kv head looping over its heads and tokens was
+slower for verify windows. Programs ``(b, 0, j, i)`` also write the packed row positions
 ``pos [B, MP]``, programs ``(b, kv, 0, 0)`` the padding rows (zeros at position -1). Rounding follows the reference:
 the norm's output is rounded to the model dtype before RoPE, RoPE's output rounded again, then cast to the cache
 dtype. Tensors must have power-of-two sizes in Triton, so a head row is handled as power-of-two column spans: the two
@@ -68,7 +68,7 @@ def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, inv_ref, pos_ref, _kc_i
     h, j, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     dtype = qr_ref.dtype
     position = pos_ref[0]
-    # the token's angles, as jaxmtp.layers.rope.rope_cos_sin forms them (padding tokens at position 0); both rotary
+    # the token's angles, as jaxmtp.pallas.attention.rope.rope_cos_sin forms them (padding tokens at position 0); both rotary
     # halves share them
     angle = jnp.maximum(position, 0).astype(jnp.float32) * inv_ref[...]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -103,7 +103,7 @@ def _prelude_kernel(q_ref, k_ref, v_ref, qw_ref, kw_ref, inv_ref, pos_ref, _kc_i
 @functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "mp", "interpret"))
 def prelude_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps, mp,
                    interpret=False):
-    """proj [B, T, P]; q_norm, k_norm [D]; inv_freq [rd / 2] float32 (:func:`jaxmtp.layers.rope.rope_inv_freq`:
+    """proj [B, T, P]; q_norm, k_norm [D]; inv_freq [rd / 2] float32 (:func:`jaxmtp.pallas.attention.rope.rope_inv_freq`:
     each program forms its token's cos and sin); caches [B, Hkv, S, D]; positions [B, T].
     Returns (qr [B, Hkv, MP, D] in proj.dtype, pos [B, MP] int32, k_cache, v_cache): the inputs of
     :func:`.decode_triton.attention_core` (as :func:`.decode_triton.pack_queries` packs them) and the caches with

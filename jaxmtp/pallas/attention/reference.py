@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.layers.norms import rms_norm
-from jaxmtp.layers.rope import apply_rope
+from jaxmtp.pallas.norms.reference import rms_norm
+from jaxmtp.pallas.attention.rope import apply_rope
 from jaxmtp.precision import einsum_f32
 
 

@@ -10,8 +10,8 @@ the gates (``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, bot
 q/k and the gated delta rule over the T tokens (its ``[dk, BV]`` float32 slice of the state in registers, as in
 :mod:`.recurrent_triton`). Unfused, XLA runs the part before the rule as about six kernels per layer (gates,
 selects, concatenation, slices, the window update), each costing more in launch and latency than in bytes at
-batch 1 (docs/performance.md, "Decode step profile"). The gated RMSNorm stays with XLA: it needs a whole head's dv,
-and a program per whole head was slower (9 us against 3-5 us per layer at the 4B shape, H200).
+batch 1. The gated RMSNorm stays with XLA: it needs a whole head's dv, and a program per whole head measured
+slower.
 
 Outputs: ``o [B, T, Hv, dv]`` and either the final state ``[B, Hv, dk, dv]`` (updated in place) with the new
 ring ``[B, K, C]`` (mode "final": the rows of each row's valid tokens written; with T = 1 in place, since the one
@@ -19,7 +19,7 @@ row written is one the step does not read), or, for a verify window whose
 accepted length is not known yet (mode "replay"), what the rule needs to run the window's first n tokens again:
 the conv outputs ``k [B, T, Hk, dk]`` and ``v [B, T, Hv, dv]`` (model dtype) and the gates ``g, beta [B, T, Hv]``
 (float32). Replay mode writes no state: the caller commits the accepted prefix afterwards with the recurrent rule
-(:func:`jaxmtp.layers.gated_deltanet.select_step`), so a verify step moves the state once in and once out instead of
+(:func:`jaxmtp.model.commit_window`), so a verify step moves the state once in and once out instead of
 writing T states and reading one back.
 
 The reference is the unfused layer itself (``gated_deltanet`` with the XLA implementation), which the tests compare
@@ -36,15 +36,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import delta_rule_token, l2norm_rows
+from jaxmtp.pallas.policy import DEFAULT_POLICY
 
-
-BLOCK_V = 32  # BV: the dv slice a program owns
-
-
-def projection_blocks_ok(hk: int, hv: int, dk: int, dv: int) -> bool:
+def projection_blocks_ok(hk: int, hv: int, dk: int, dv: int, block_v: int) -> bool:
     """The mixer's own shape rule (besides the Triton head sizes): value heads a multiple of key heads, and the v
-    columns of the projection starting on a whole BV block."""
-    return hv % hk == 0 and (2 * hk * dk) % min(BLOCK_V, dv) == 0
+    columns of the projection starting on a whole ``block_v`` (BV) block."""
+    return hv % hk == 0 and (2 * hk * dk) % min(block_v, dv) == 0
 
 
 def _silu(x):
@@ -162,12 +159,12 @@ def gdn_mixer_triton(proj, ring, conv_w, a_log, dt_bias, state, valid, start, *,
     (float32); valid [B, T] bool; start [B] int32, each row's first position.
     Returns (o [B, T, Hv, dv], (state [B, Hv, dk, dv], ring [B, K, C])) or, with
     ``replay``, (o, (k [B, T, Hk, dk], v [B, T, Hv, dv], g [B, T, Hv], beta [B, T, Hv])). ``block_v`` (BV) and
-    ``num_warps`` tune it."""
+    ``num_warps`` tune it (defaults: :class:`jaxmtp.pallas.policy.KernelPolicy`)."""
     b, t, _ = proj.shape
     km1 = ring.shape[1] - 1
     c = 2 * hk * dk + hv * dv
     r = hv // hk
-    bv = min(block_v or BLOCK_V, dv)
+    bv = min(block_v or DEFAULT_POLICY.mixer_block_v, dv)
     nv = dv // bv
     mode = "replay" if replay else "final"
     bb = c + hv * dv  # the first b column

@@ -104,8 +104,7 @@ def _commit_kernel(*refs, t, n_layers):
     """refs: L each of k, v, g, beta, state; n; then the L states out. A program commits one layer's ``[dk, BV]``
     state slice over the row's first n tokens. Triton has no array of pointers: a program's loads from its layer's
     arrays sit in one branch per layer (``lax.switch``; one switch for all of them, since the loads of a branch are
-    issued together and each switch costs a memory round trip: one switch per load made the 0.8B commit 42 us
-    instead of 18, H100, docs/performance.md run 18), and a store per layer is guarded by the layer; the arithmetic
+    issued together and each switch costs a memory round trip: a switch per load measured more than twice as slow), and a store per layer is guarded by the layer; the arithmetic
     between them is shared."""
     nl = n_layers
     k_refs, v_refs, g_refs, b_refs, h0_refs = (refs[i * nl:(i + 1) * nl] for i in range(5))

@@ -3,8 +3,8 @@ per weight.
 
 :mod:`.skinny_triton` feeds the weight tile to a tensor-core dot with the rows padded to 16. For a bfloat16 weight
 that streams near the HBM bandwidth, but a quantised weight must first be widened in registers and then moved into
-the dot's operand layout, and for packed int4 that per-weight work, not the bytes, set the time (docs/performance.md,
-run 8: 210-220 us for the 4B head, as long as the int8 read of twice the bytes). Here each program keeps a
+the dot's operand layout, and for packed int4 that per-weight work, not the bytes, sets the time (as long as the
+int8 read of twice the bytes). Here each program keeps a
 float32 accumulator tile the shape of its weight tile, multiplies the widened weights elementwise by the broadcast
 row and adds, and reduces the tile once at the end: per weight a widening and one multiply-add, no layout change.
 That pays only for a few rows (each row repeats the multiply-adds), hence ``MAX_ROWS``.
@@ -59,13 +59,13 @@ def supports(m: int, k: int, n: int, transpose_w: bool, w_dtype) -> bool:
 
 
 def plan(k: int, n: int, transpose_w: bool, w_dtype, m: int = 1):
-    """Default ``(BN, BK, splits, num_warps, num_stages)``. Quantised (the draft head): the H100 sweep of
-    scripts/bench_gemv.py found every tiling within a few percent (int8 231-241 us, int4 198-212 us for the 4B head).
+    """Default ``(BN, BK, splits, num_warps, num_stages)``. Quantised (the draft head): every tiling measured within a
+    few percent of the others.
     int8 with N <= 65536 (the int8 MTP layer's products): fewer rows per program and longer steps, so that N of a
-    few thousand still gives enough programs (H100 sweep at the 4B MTP shapes, docs/performance.md run 13: N = 2560
-    products 1.4-2.3x faster than with the head's tiles); with 3-4 rows (the verify window's pass) steps half as
+    few thousand still gives enough programs (measured faster than the head's tiles at the MTP layers' shapes); with
+    3-4 rows (the verify window's pass) steps half as
     long, so that the four accumulators fit in registers. Floating ``[N, K]`` (a block's output product): a few rows
-    per program, long steps along K (H100 sweep, docs/performance.md run 12). ``[K, N]`` bf16 weights stay with XLA in
+    per program, long steps along K (the best of a sweep). ``[K, N]`` bf16 weights stay with XLA in
     the engine (its split-K products were faster than this kernel's)."""
     bn = 16 if n % 16 == 0 else 8
     if jnp.dtype(w_dtype) == jnp.uint8:
@@ -184,7 +184,7 @@ def gemv_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, b
     :func:`jaxmtp.pallas.matmul.reference.quantized_matmul_reference` does (the quantised MTP layer's products end
     here, in the activations' dtype, with no scale kernel after them). ``swiglu``: x is [..., >= 2K] (gate | up) and
     the product's input ``silu(gate) * up`` (floating or int8 weights). ``norm_weight`` [K] (float32 offset) with
-    ``norm_eps``: the product's input is ``rms_norm(x)`` (:func:`jaxmtp.layers.norms.rms_norm`): each program
+    ``norm_eps``: the product's input is ``rms_norm(x)`` (:func:`jaxmtp.pallas.norms.reference.rms_norm`): each program
     multiplies ``x * (1 + w)`` and sums the row's squares as it streams K, and scales its sums by the row's
     ``rsqrt(mean(x^2) + eps)`` at the end (float32 throughout; the unfused norm rounds the normed row to x's dtype
     first, so the two differ in the last bits). The layer's input norm then needs no launch of its own and the

@@ -75,3 +75,10 @@ def w4a8_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> 
     acc = lax.dot_general(xq, unpack_int4(packed), (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     y = acc.astype(jnp.float32) * rs[:, None] * scale
     return y.reshape(*lead, -1)
+
+
+def argmax_from_partials(vals: jax.Array, idx: jax.Array) -> jax.Array:
+    """The column of the first of the largest values, from an argmax kernel's per-program ``(vals, idx)`` ``[R, G]``
+    (each program's largest value per row and the first column holding it): [R]."""
+    best = jnp.argmax(vals, axis=-1)
+    return jnp.take_along_axis(idx, best[:, None], axis=1)[:, 0]

@@ -9,8 +9,7 @@ embedding) as ``[BN, BK]`` tiles. An int8 W (the draft head, :func:`jaxmtp.palla
 as int8 and widened in registers, so the kernel streams half the bytes of a bfloat16 W; an int4 W (uint8 ``[N, K/2]``
 as :func:`jaxmtp.pallas.matmul.reference.unpack_int4` lays it out, ``transpose_w`` only, BK = 128) a quarter: each
 step reads a block's 64 bytes per row and multiplies its low and high nibbles with the block's two 64-wide halves of
-the rows. XLA's own choices at these shapes measured 25-65% of HBM bandwidth on an H200 (docs/performance.md,
-"Decode step profile").
+the rows. XLA's own choices at these shapes read well below the HBM bandwidth (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import SplitSum, mm, next_pow2, swiglu_tile, work_dtype
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.pallas.policy import device_num_sms
 
-NUM_SMS = 132  # H100 / H200; sets how far the K axis is split
 MAX_ROWS = 64
 
 
@@ -36,8 +35,9 @@ def supports(m: int, k: int, n: int, int4: bool = False) -> bool:
     return 0 < m <= MAX_ROWS and k % (INT4_BLOCK if int4 else 64) == 0 and n % 16 == 0
 
 
-def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
-    """Static tiling ``(Mp, BN, BK, splits)`` for an [m, k] x [k, n] product."""
+def plan(m: int, k: int, n: int, num_sms: int | None = None):
+    """Static tiling ``(Mp, BN, BK, splits)`` for an [m, k] x [k, n] product (``num_sms``: default the device's)."""
+    num_sms = num_sms or device_num_sms()
     mp = max(16, next_pow2(m))
     bn = next(b for b in (128, 64, 32, 16) if n % b == 0)
     if n // bn < num_sms and bn > 64:  # narrow slabs before splitting K
@@ -49,10 +49,11 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS):
     return mp, bn, bk, splits
 
 
-def partials_plan(m: int, k: int, n: int, max_splits: int, num_sms: int = NUM_SMS):
+def partials_plan(m: int, k: int, n: int, max_splits: int, num_sms: int | None = None):
     """Static tiling ``(BN, BK, splits)`` of a product whose float32 partials are added by their consumer (the add +
     norm kernel, which loads every split's row): at most ``max_splits`` splits along K, then column slabs as wide as
     still give a wave of programs (``splits * N / BN >= num_sms``; 16 at the narrowest)."""
+    num_sms = num_sms or device_num_sms()
     _, _, bk, _ = plan(m, k, n, num_sms)
     steps = k // bk
     splits = max(s for s in range(1, max_splits + 1) if steps % s == 0)
@@ -124,10 +125,10 @@ def _kernel(x_ref, w_ref, *refs, m, bk, k_per_split, transpose_w, int4, swiglu, 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "block_n", "block_k", "splits",
                                              "num_warps", "num_stages", "swiglu", "mask_rows", "partials",
-                                             "interpret"))
+                                             "num_sms", "interpret"))
 def skinny_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None, block_n=None, block_k=None,
                          splits=None, num_warps=None, num_stages=None, swiglu=False, mask_rows=False, partials=False,
-                         interpret=False):
+                         num_sms=None, interpret=False):
     """Same contract as :func:`matmul_reference` for shapes :func:`supports` accepts. ``swiglu`` (floating weights):
     x is the gate|up projection's output [..., >= 2K] and the product's input ``silu(gate) * up``. ``mask_rows``
     (not with int4 weights): x and the output are not padded to Mp rows; the kernel masks the missing rows instead
@@ -149,9 +150,10 @@ def skinny_matmul_triton(x, w, scale=None, *, transpose_w=False, out_dtype=None,
     if bad_scale or (scale is not None and (splits or 1) != 1):
         raise ValueError(f"unsupported column scale {scale.shape} {scale.dtype} for W {w.shape} {w.dtype} "
                          f"(int8 weights, one split)")
-    mp, bn0, bk0, s0 = plan(m, kdim, n)
+    num_sms = num_sms or device_num_sms()
+    mp, bn0, bk0, s0 = plan(m, kdim, n, num_sms)
     if scale is not None:  # one split: slabs narrow enough for a wave of programs
-        bn0, s0 = next((b for b in (64, 32) if n % b == 0 and n // b >= NUM_SMS), 16), 1
+        bn0, s0 = next((b for b in (64, 32) if n % b == 0 and n // b >= num_sms), 16), 1
     bn, bk = block_n or bn0, block_k or bk0
     if int4 and bk != INT4_BLOCK:
         raise ValueError(f"int4 weights are read in blocks of {INT4_BLOCK} along K, not {bk}")

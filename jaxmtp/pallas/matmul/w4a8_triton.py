@@ -1,14 +1,13 @@
 """Products of a few rows with packed int4 weights on GPU, the rows quantised to int8: four products per instruction.
 
-The multiply-add kernel (:mod:`.gemv_triton`) reads the 4B draft head as int4 in ~209 us, barely faster than its
-int8 read of twice the bytes: every weight costs an extraction, a widening, a float subtraction and a multiply-add,
-and Nsight Compute shows that read bound by instruction issue (8.3 instructions per weight, 77% of issue slots busy,
-DRAM 46% busy; docs/performance.md, run 10). Here the row is quantised to int8 first (symmetric per row, as
+The multiply-add kernel (:mod:`.gemv_triton`) reads an int4 draft head barely faster than its int8 read of twice
+the bytes: every weight costs an extraction, a widening, a float subtraction and a multiply-add, and that read is
+bound by instruction issue, not by memory (docs/kernels.md). Here the row is quantised to int8 first (symmetric per row, as
 :func:`quantize_rows_int8`, by the one-program kernel :func:`quantize_rows_triton`), and the kernel never leaves
 integers: a 32-bit word of the packed weight holds
 eight 4-bit values, one ``AND`` (and one shift) give two words of four unsigned bytes, and ``dp4a`` (PTX
 ``dp4a.u32.s32``) multiplies four such bytes by four signed bytes of the row and adds them to a 32-bit accumulator:
-1.4 instructions per weight measured, 119 us for the 4B head.
+about 1.4 instructions per weight.
 
 Weight: the draft head's int4 layout (:func:`jaxmtp.pallas.matmul.reference.unpack_int4`: in each 128-wide block
 of K, byte j holds column j in its low nibble and column 64 + j in its high one, as q + 8) read as little-endian
@@ -40,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import next_pow2
-from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.pallas.matmul.reference import INT4_BLOCK, argmax_from_partials
 
 MAX_ROWS = 8  # each row repeats the dp4a of every word: a few rows only
 WORDS_PER_BLOCK = INT4_BLOCK // 8  # int32 words per row of one packing block
@@ -78,9 +77,8 @@ def supports(m: int, k: int, n: int) -> bool:
 
 
 def plan(k: int):
-    """Default ``(block_n, words_per_step, num_warps, num_stages)``: the best of scripts/bench_gemv.py's sweep on an
-    H100 for the 4B head (119.7 us; 24 tilings took 119.7-184 us, two blocks per step all within 133 us);
-    one block per step where K is not a multiple of 256."""
+    """Default ``(block_n, words_per_step, num_warps, num_stages)``: the best tiling of a sweep at a real head's
+    shape (two blocks per step; docs/kernels.md); one block per step where K is not a multiple of 256."""
     return (16, 2 * WORDS_PER_BLOCK, 8, 2) if k % (2 * INT4_BLOCK) == 0 else (16, WORDS_PER_BLOCK, 4, 4)
 
 
@@ -242,12 +240,6 @@ def w4a8_argmax_partials_triton(x, words, scale, *, quantized=None, interpret=Fa
     :func:`quantize_rows_triton` returns them, formed already (then x only gives the shapes)."""
     return _launch(x, words, scale, block_n=None, words_per_step=None, num_warps=None, num_stages=None, argmax=True,
                    interpret=interpret, quantized=quantized)
-
-
-def argmax_from_partials(vals, idx):
-    """The column of the first of the largest values, from the argmax kernel's ``(vals, idx)`` ``[R, G]``: [R]."""
-    best = jnp.argmax(vals, axis=-1)
-    return jnp.take_along_axis(idx, best[:, None], axis=1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "words_per_step", "num_warps", "num_stages", "interpret"))

@@ -29,8 +29,7 @@ from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import mm, swiglu_tile, work_dtype
 from jaxmtp.pallas.moe.layout import choose_layout, combine, gather_rows, make_layout
-
-NUM_SMS = 132  # H100 / H200; only sets the tile widths and the H split at small sizes
+from jaxmtp.pallas.policy import device_num_sms
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -41,12 +40,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def plan(n_blocks: int, h: int, i: int, num_sms: int = NUM_SMS):
+def plan(n_blocks: int, h: int, i: int, num_sms: int | None = None):
     """Static tiles ``(bn_up, bk_up, split, bn_down, bk_down)`` for ``n_blocks`` row blocks (H, I multiples of 16).
 
     Kernel ``up``: 64 columns (128-byte rows of bf16 weights) while that gives a wave of programs, else 32; H is
     split in up to 4 while there are fewer programs than SMs. Kernel ``down``: 128 columns, or 64 below one wave.
+    ``num_sms``: default the device's.
     """
+    num_sms = num_sms or device_num_sms()
     bk_up = _pow2_divisor(h, 128)
     bn_up = _pow2_divisor(i, 64)
     if n_blocks * (i // bn_up) < num_sms:

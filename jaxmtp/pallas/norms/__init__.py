@@ -4,14 +4,14 @@ followed by the next norm; and :func:`rms_norm`, the norm alone on the same kern
 ``add_rms_norm(x, y, weight, eps, implementation=...)``: ``"xla"`` is the reference; ``"triton"`` /
 ``"triton_interpret"`` run :func:`add_rms_norm_triton` when it takes the row length (:func:`supports`: all Qwen3.5
 hidden sizes), else the reference. Other names (TPU) run the reference, which XLA fuses there. The model passes
-``Backend.norm``: ``"triton"`` under ``"auto"`` on NVIDIA GPUs since run 11, ``"xla"`` elsewhere (docs/kernels.md has
+``Backend.norm``: ``"triton"`` under ``"auto"`` on NVIDIA GPUs, ``"xla"`` elsewhere (docs/kernels.md has
 the GPU measurements).
 """
 
 from __future__ import annotations
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, dense
-from jaxmtp.layers.norms import rms_norm as rms_norm_reference
+from jaxmtp.pallas.norms.reference import rms_norm as rms_norm_reference
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.pallas.norms.add_rms_norm_triton import (add_rms_norm_quantized_triton, add_rms_norm_triton,
                                                      rms_norm_triton, supports)
@@ -40,7 +40,7 @@ def add_rms_norm_quantized(x, y, weight, eps: float, *, implementation: str = "x
 
 
 def rms_norm(x, weight, eps: float, *, implementation: str = "xla"):
-    """The norm alone (:func:`jaxmtp.layers.norms.rms_norm`), on the same kernel where it applies: the MTP layer's
+    """The norm alone (:func:`jaxmtp.pallas.norms.reference.rms_norm`), on the same kernel where it applies: the MTP layer's
     input norm, whose input is a product's output rather than a residual sum."""
     if implementation in (TRITON, TRITON_INTERPRET) and x.size > 0 and supports(x.shape[-1]):
         return rms_norm_triton(x, weight, eps, interpret=implementation == TRITON_INTERPRET)

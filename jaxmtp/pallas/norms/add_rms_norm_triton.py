@@ -5,7 +5,7 @@ writes ``s = x + y`` rounded to the input dtype (the residual stream, as the mod
 ``h = s / rms(s) * (1 + w)`` computed in float32 from the rounded ``s``. Triton tensors must have power-of-two sizes,
 so a row of H is handled as ``H / C`` static chunks of ``C``, the largest power of two dividing H (capped at 4096):
 one chunk for H = 1024, 2048, 4096, five of 512 / 1024 for H = 2560 / 5120. The chunks stay in registers between
-the sum of squares and the write of ``h``; no padding, no masks. Picked by ``"auto"`` on NVIDIA GPUs since run 11:
+the sum of squares and the write of ``h``; no padding, no masks. Picked by ``"auto"`` on NVIDIA GPUs:
 one launch where XLA runs two after the product's split-K reduction (docs/kernels.md). :func:`rms_norm_triton` is the
 same kernel without the add (the MTP layer's input norm).
 """
@@ -54,7 +54,7 @@ def _kernel(*refs, chunk, eps, splits=0, quantize=False, interpret=False):
         x_ref, y_ref, w_ref, s_ref, h_ref = refs
     # Every load is issued before the first store: Triton keeps memory operations in program order where it cannot
     # prove the pointers distinct, so interleaving "load chunk j, store chunk j" costs one memory round trip per
-    # chunk (5 at H = 2560: the kernel took ~5 us in the 4B decode step, docs/kernels.md).
+    # chunk (5 at H = 2560).
     n = x_ref.shape[-1]
     sls = [pl.ds(j * chunk, chunk) for j in range(n // chunk)]
     xs = [x_ref[sl] for sl in sls]
@@ -145,7 +145,7 @@ def add_rms_norm_triton(x, y, weight, eps, *, num_warps=None, interpret=False):
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def rms_norm_triton(x, weight, eps, *, num_warps=None, interpret=False):
-    """:func:`jaxmtp.layers.norms.rms_norm` (no residual add) with the same kernel: one launch where XLA runs two."""
+    """:func:`jaxmtp.pallas.norms.reference.rms_norm` (no residual add) with the same kernel: one launch where XLA runs two."""
     hdim = x.shape[-1]
     if not supports(hdim) or weight.shape != (hdim,):
         raise ValueError(f"unsupported row length H={hdim} or weight {weight.shape}")

@@ -7,7 +7,7 @@ head chose and that pass's hidden h. With the int4 head's argmax kernel
 ``(vals, idx)`` ``[Mp, G]``; XLA finished it with four kernels (the argmax over the programs, the gather and norm of
 E[d], the norm of h, the concatenation). Here one program per row does it all: the argmax over G in power-of-two
 windows (the last one ending at G, overlapping the one before: ties still go to the first column, as
-``jnp.argmax``), the row of E at d, the two norms in float32 (:func:`jaxmtp.layers.norms.rms_norm`), and writes d and
+``jnp.argmax``), the row of E at d, the two norms in float32 (:func:`jaxmtp.pallas.norms.reference.rms_norm`), and writes d and
 the ``[2H]`` row. :func:`fc_input_triton` is the same input for ids already known (the window's draft pass, whose
 next tokens are the verify's choices): the embedding rows, the norms and the concatenation in one kernel where XLA
 ran two.
@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as pltr
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size, supports
 
 NUM_WARPS = 8
-WINDOW = 8192  # partials read per step of the argmax (H100: 2048-wide windows, 8 at the 0.8B head, took 8 us)
+WINDOW = 8192  # partials read per step of the argmax (few, wide steps: narrow windows measured slower)
 
 
 def window(g: int) -> int:

@@ -1,0 +1,79 @@
+"""The kernel policy: every dispatch threshold, tile default and device fact the ops consult, in one frozen object.
+
+A :class:`KernelPolicy` travels inside :class:`jaxmtp.pallas.Backend` (``backend.policy``) to every op; nothing in
+``jaxmtp.pallas`` reads a mutable module-level setting. Tests and benchmarks vary it with ``dataclasses.replace``
+(or :func:`jaxmtp.pallas.override_backend` with a field name). docs/kernels.md ("Kernel policy") lists each field,
+what it selects and the measurement behind its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+FALLBACK_NUM_SMS = 132  # a Hopper GPU's count, where the device does not report its multiprocessor count
+
+
+@functools.lru_cache(maxsize=None)
+def device_num_sms() -> int:
+    """Streaming multiprocessors of the default device (``jax.Device.core_count`` on GPUs), else
+    :data:`FALLBACK_NUM_SMS` (CPU interpret runs, devices that do not say)."""
+    try:
+        count = getattr(jax.devices()[0], "core_count", None)
+    except RuntimeError:
+        count = None
+    return int(count) if isinstance(count, int) and count > 0 else FALLBACK_NUM_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Which kernel runs where, and with what tiles (defaults: the measured choices on Hopper GPUs)."""
+
+    # device facts
+    num_sms: int | None = None  # programs per wave; None: read from the device (:func:`device_num_sms`)
+
+    # backend choice by model size (jaxmtp.pallas.resolve_backend on an NVIDIA GPU)
+    matmul_kernel_max_hidden: int = 2048  # hidden sizes up to this run one-row projections on the skinny kernel
+    out_matmul_max_hidden: int = 2560  # ... store block-output weights [N, K] for the one-row output kernel
+    mtp_int8_max_hidden: int = 4096  # ... hold the MTP layer in int8 (drafts only)
+
+    # projections (jaxmtp.pallas.matmul.linear)
+    min_weight_elements: int = 1 << 20  # smaller weights (GDN gates, MoE router) stay with XLA, which fuses them
+    kernel_max_rows: int = 1  # rows up to which a floating projection runs the skinny tensor-core kernel
+
+    # quantised products (draft head, int8 MTP layer)
+    gemv_max_rows: int = 1  # an int8 head's rows on the multiply-add kernel (more: tensor-core kernel)
+    w4a8_max_rows: int = 4  # an int4 head's rows on the dp4a kernel
+    draft_argmax_max_rows: int = 1  # rows whose draft argmax runs inside the dp4a kernel (0: never)
+    layer_gemv_max_n: int = 65536  # int8 weights up to this many outputs are MTP-layer products, not a head
+    layer_gemv_max_rows: int = 1  # rows of an MTP-layer product on the multiply-add kernel (norm/residual inside)
+
+    # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
+    output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K
+    output_skinny_max_rows: int = 1  # rows on the tensor-core kernel with one split
+    output_split_max_rows: int = 4  # rows on the split-K kernel whose partials the add + norm kernel sums
+    output_split_max_splits: int = 4  # at most this many splits there
+
+    # gated delta rule (jaxmtp.pallas.gated_delta_rule)
+    recurrent_max_tokens: int = 16  # the recurrent / mixer / commit kernels unroll over at most this many tokens
+    commit_one_launch_max_rows: int = 4  # rows up to which one commit launch covers every layer
+    mixer_block_v: int = 32  # the dv slice a mixer program owns
+    mixer_num_warps: int = 4
+    commit_num_warps: int = 4
+
+    @property
+    def sms(self) -> int:
+        """:attr:`num_sms`, or the device's count when it is None."""
+        return self.num_sms if self.num_sms is not None else device_num_sms()
+
+
+DEFAULT_POLICY = KernelPolicy()
+
+
+def policy_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(KernelPolicy))
+
+
+__all__ = ["DEFAULT_POLICY", "FALLBACK_NUM_SMS", "KernelPolicy", "device_num_sms", "policy_fields"]
