@@ -19,7 +19,8 @@ from jaxmtp.model import forward, init_carry, init_params
 from jaxmtp.mtp import init_mtp_carry, mtp_forward
 from jaxmtp.pallas import XLA, Backend
 from jaxmtp.pallas._common import SplitSum
-from jaxmtp.pallas.norms import add_rms_norm, draft_input, fc_input, supports
+from jaxmtp.pallas.draft_input import draft_input, fc_input
+from jaxmtp.pallas.norms import add_rms_norm, supports
 from jaxmtp.pallas.norms import rms_norm as norm_only
 from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 

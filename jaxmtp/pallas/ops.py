@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.pallas import attention as _attention
+from jaxmtp.pallas import draft_input as _draft_input
 from jaxmtp.pallas import gated_delta_rule as _gdr
 from jaxmtp.pallas import matmul as _matmul
 from jaxmtp.pallas import moe as _moe
@@ -251,19 +252,19 @@ def add_norm_head_argmax(x, y, norm_weight, eps: float, q, scale, backend: Backe
 
 def fc_input(ids, embed, hidden, w_e, w_h, eps: float, backend: Backend):
     """The MTP fc input ``concat[rms_norm(embed[ids]), rms_norm(hidden)]`` [..., 2H] (one kernel on a kernel backend)."""
-    return _norms.fc_input(ids, embed, hidden, w_e, w_h, eps, implementation=backend.norm)
+    return _draft_input.fc_input(ids, embed, hidden, w_e, w_h, eps, implementation=backend.norm)
 
 
 def draft_pass_input(choice: Choice, embed, hidden, w_e, w_h, eps: float, backend: Backend, position=None):
     """A recursive draft pass's input from the previous pass's :class:`Choice` and hidden [B, H]: ``(d [B], concat[
     rms_norm(embed[d]), rms_norm(hidden)] [B, 2H], positions [B] or None)``, the positions ``where(active, length +
     offset, -1)`` for ``position = (length [B], active [B], offset)``. From argmax partials one launch does it all
-    (:func:`jaxmtp.pallas.norms.draft_input`)."""
+    (:func:`jaxmtp.pallas.draft_input.draft_input`)."""
     if choice.partials is not None:
-        d, x, *pos = _norms.draft_input(*choice.partials, embed, hidden, w_e, w_h, eps, implementation=backend.norm,
+        d, x, *pos = _draft_input.draft_input(*choice.partials, embed, hidden, w_e, w_h, eps, implementation=backend.norm,
                                         position=position)
         return d, x, (pos[0] if pos else None)
-    pos = None if position is None else _norms.pass_positions(*position)
+    pos = None if position is None else _draft_input.pass_positions(*position)
     return choice.ids, fc_input(choice.ids, embed, hidden, w_e, w_h, eps, backend), pos
 
 

@@ -235,7 +235,7 @@ def w4a8_matmul_triton(x, words, scale, *, block_n=None, words_per_step=None, nu
 def w4a8_argmax_partials_triton(x, words, scale, *, quantized=None, interpret=False):
     """The argmax kernel's per-program results before the last reduction: ``(vals, idx)`` float32 / int32
     ``[Mp, G]``, each program's largest value per row and the first column holding it (rows from m on unused).
-    :func:`argmax_from_partials` finishes it; :mod:`jaxmtp.pallas.norms.draft_input_triton` finishes it inside the
+    :func:`argmax_from_partials` finishes it; :mod:`jaxmtp.pallas.draft_input.draft_input_triton` finishes it inside the
     next draft pass's input kernel instead. ``quantized``: x's ``(xlo, xhi, row_scale, row_sum)`` as
     :func:`quantize_rows_triton` returns them, formed already (then x only gives the shapes)."""
     return _launch(x, words, scale, block_n=None, words_per_step=None, num_warps=None, num_stages=None, argmax=True,

@@ -98,7 +98,7 @@ def draft_input_triton(vals, idx, embed, hidden, w_e, w_h, eps, length=None, act
                        interpret=False):
     """vals / idx ``[Mp, G]`` (the argmax kernel's partials, rows >= B unused); embed ``[V, H]``; hidden ``[B, H]``;
     w_e / w_h ``[H]`` float32 offsets. Returns ``(ids [B] int32, x [B, 2H])`` in embed's dtype, as
-    :func:`jaxmtp.pallas.norms.reference.draft_input_reference`. With ``length``, ``active [B]`` and a static
+    :func:`jaxmtp.pallas.draft_input.reference.draft_input_reference`. With ``length``, ``active [B]`` and a static
     ``offset``, also the pass's positions ``where(active, length + offset, -1)`` [B] int32 (no XLA kernel for
     them)."""
     b, hdim = hidden.shape
@@ -128,7 +128,7 @@ def fc_input_triton(ids, embed, hidden, w_e, w_h, eps, *, interpret=False):
     """ids ``[R]`` int32 (negative ids wrap and others clamp, as ``embed[ids]`` indexes); embed ``[V, H]``; hidden
     ``[R, H]``; w_e / w_h ``[H]`` float32 offsets.
     Returns ``concat[rms_norm(embed[ids], w_e), rms_norm(hidden, w_h)]`` ``[R, 2H]`` in embed's dtype, as
-    :func:`jaxmtp.pallas.norms.reference.fc_input_reference`: one program per row."""
+    :func:`jaxmtp.pallas.draft_input.reference.fc_input_reference`: one program per row."""
     r, hdim = hidden.shape
     if not supports(hdim) or embed.shape[1] != hdim or ids.shape != (r,):
         raise ValueError(f"unsupported fc input: ids {ids.shape}, embed {embed.shape}, hidden {hidden.shape}")
