@@ -18,14 +18,8 @@ JSON is written after every measurement (partial results survive a time limit); 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import datetime
-import importlib
 import json
 import math
-import os
-import platform
 import sys
 import time
 
@@ -34,136 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp import shapes
+from jaxmtp.benchmarking import (LAYOUTS, PUBLISHED_AL, CompileClock, alternating_step_ms, draft_head_bytes,
+                                 fill_synthetic, hbm_bandwidth, mtp_bytes, random_model, run_metadata,
+                                 speedup_bound, step_bytes, synthetic_engine, timed_loops, tiny_config,
+                                 variant_model, write_json)
 from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
-from jaxmtp.loaded_model import Model
-from jaxmtp.model import describe_draft_head, init_params, param_shapes
-from jaxmtp.param_layout import (has_quantized_mtp, quantize_mtp, quantizes_mtp, serving_layout, set_output_layout,
-                                 transposes_outputs, weight_bytes)
+from jaxmtp.mtp import describe_draft_head
 from jaxmtp.pallas import override_backend, resolve_backend
+from jaxmtp.param_layout import has_quantized_mtp
 from jaxmtp.sampling import SamplingParams
 
-# Mean acceptance lengths (tokens per verify step) published for Qwen3.5's MTP head: k = 1, 2, 3 (issue 6); k = 4
-# extrapolated with the per-position rate 0.7 that k = 3's 2.9 implies (1 + .7 + .49 + .343 + .24).
-PUBLISHED_AL = {0: 1.0, 1: 1.9, 2: 2.4, 3: 2.9, 4: 3.14}
-
-_COMPILE_S = [0.0]
-
-
-def _on_event(event, duration, **_):
-    if "backend_compile" in event or event.endswith("compile_duration"):
-        _COMPILE_S[0] += duration
-
-
-try:
-    jax.monitoring.register_event_duration_secs_listener(_on_event)
-except AttributeError:  # pragma: no cover - very old jax
-    pass
-
-
-def median_time(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
-def hbm_bandwidth() -> float:
-    """Bytes/s (read + written) of 20 chained elementwise passes over 1 GiB of float32 in one jitted loop."""
-    n = 1 << 28 if jax.default_backend() != "cpu" else 1 << 22
-    passes = 20
-    x = jnp.full((n,), 1.5, jnp.float32)
-
-    @jax.jit
-    def f(a):
-        return jax.lax.fori_loop(0, passes, lambda i, v: jax.lax.optimization_barrier(v * 1.0001), a)
-
-    jax.block_until_ready(f(x))
-    t = median_time(lambda: f(x), 5)
-    return passes * 2 * 4 * n / t
-
-
-LAYOUTS = ("serving", "fused", "native")
-
-
-def tiny_config(cfg):
-    """A small model of ``cfg``'s layout (layer types, MoE layers, GQA ratios): the check scripts' CPU smoke tests."""
-    return dataclasses.replace(cfg, hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
-                               layer_types=cfg.layer_types[:4], moe_layers=cfg.moe_layers[:4], head_dim=32,
-                               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                               linear_num_value_heads=2 * cfg.gdn_v_per_k, num_attention_heads=4, num_key_value_heads=2)
-
-
-def random_model(cfg, dtype, backend, layout: str = "serving", draft_vocab: int | None = None,
-                 draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None) -> Model:
-    """Random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives: fused projections, the quantised draft
-    head and, where the backend wants it, the int8 MTP layer), "fused" (fused projections, exact drafts) or "native"
-    (the checkpoint layout). ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which ids
-    does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`."""
-    params = init_params(cfg, jax.random.PRNGKey(0), dtype)
-    backend = resolve_backend(backend, cfg, dtype)
-    if layout != "native":
-        ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
-        params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
-                                draft_head_bits=draft_head_bits, backend=backend,
-                                quantize_mtp_layer=quantize_mtp_layer)
-    jax.block_until_ready(params)
-    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend)
-
-
-def draft_head_bytes(params) -> int | None:
-    """Bytes of the serving layout's draft head (int8 and / or a hot vocabulary), None without one (the LM head)."""
-    if "draft_head" not in params:
-        return None
-    return weight_bytes({name: a for name, a in params["draft_head"].items() if name != "ids"})
-
-
-def mtp_bytes(params) -> int | None:
-    """Bytes of the MTP head's weights as stored (int8 after :func:`jaxmtp.param_layout.quantize_mtp`), None
-    without one."""
-    return weight_bytes(params["mtp"]) if "mtp" in params else None
-
-
-def step_bytes(cfg, batch: int, k: int, context: int, dtype_bytes: int = 2, head_bytes: int | None = None,
-               mtp_stored: int | None = None) -> dict:
-    """Bytes one step must move at least: weights it touches, KV it reads, GDN state it reads and writes. With
-    k > 0 the k drafts each read the draft head (``head_bytes``, :func:`draft_head_bytes`; None: the LM head) and
-    the MTP layer (``mtp_stored``, :func:`mtp_bytes`; None: bfloat16), besides the verify's own reads."""
-    leaves = [(jax.tree_util.keystr(p), int(np.prod(s.shape)) * s.dtype.itemsize)
-              for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16))]
-
-    def touched(mtp: bool, tokens: int) -> float:
-        """Bytes of the main model's (or the MTP head's) weights that ``tokens`` tokens read."""
-        total = 0.0
-        for name, nbytes in leaves:
-            if ("'mtp'" in name) != mtp:
-                continue
-            if "embed_tokens" in name and not cfg.tie_word_embeddings:
-                nbytes = tokens * cfg.hidden_size * dtype_bytes  # gathered rows only
-            elif "experts" in name:  # routed experts: expected distinct experts hit by the tokens
-                e, top = cfg.num_experts, cfg.num_experts_per_tok
-                nbytes = nbytes * (1 - (1 - top / e) ** tokens)
-            total += nbytes
-        return total
-
-    weights = touched(False, batch * (k + 1))
-    if k > 0:  # each draft reads the draft head; the window's pass and k - 1 recursive ones read the MTP layer
-        head = head_bytes if head_bytes is not None else cfg.vocab_size * cfg.hidden_size * dtype_bytes
-        full = sum(nbytes for name, nbytes in leaves if "'mtp'" in name)
-        # int8 MTP weights: the stored share of bf16 bytes, applied to every MTP leaf (an MoE MTP layer's routed
-        # experts stay bf16, so there it undercounts them)
-        stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0
-        # (the window's pass runs the MLP on the accepted row only: mtp_forward(out_rows=), so every pass touches
-        # the routed experts of `batch` tokens)
-        weights += k * head + stored * k * touched(True, batch)
-    weights = int(weights)
-    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
-    kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    gdn = batch * n_gdn * state * 2  # read + write (a verify commits its accepted prefix: still one state out)
-    return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
+COMPILE = CompileClock()
 
 
 def prefill_engine(model, prompt_len: int, chunk: int) -> Engine:
@@ -186,19 +62,19 @@ def bench_prefill(model, prompt_len: int, chunk: int) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     for attempt in ("cold", "warm"):
-        _COMPILE_S[0] = 0.0
-        out[attempt] = {"seconds": timed_prefill(eng, prompt_len, rng), "compile_s": _COMPILE_S[0]}
+        COMPILE.reset()
+        out[attempt] = {"seconds": timed_prefill(eng, prompt_len, rng), "compile_s": COMPILE.seconds}
     return {"prompt_len": prompt_len, "chunk": chunk, "seconds": out["warm"]["seconds"],
             "tokens_per_s": prompt_len / out["warm"]["seconds"], "compile_s": out["cold"]["compile_s"]}
 
 
 def bench_prefill_ab(model, prompt_len: int, chunk: int, variants: list[str], rounds: int) -> dict:
-    """Prefill under several backend overrides in one process, alternating (as :func:`bench_ab` for steps)."""
+    """Prefill under several overrides (:func:`jaxmtp.benchmarking.variant_model`) in one process, alternating (as
+    :func:`bench_ab` for steps)."""
     engines = []
     for spec in variants:
         eng = prefill_engine(variant_model(model, spec), prompt_len, chunk)
-        with variant_constants(spec):
-            timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
+        timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
         engines.append(eng)
     times: list[list[float]] = [[] for _ in variants]
     for r in range(rounds):
@@ -210,54 +86,17 @@ def bench_prefill_ab(model, prompt_len: int, chunk: int, variants: list[str], ro
         for spec, ts in zip(variants, times)]}
 
 
-def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
-    """Make every slot an active request ``context`` tokens deep (random last token and drafts, KV as allocated) so
-    that the step can be timed without compiling prefill shapes. Step cost does not depend on the cache values."""
-    s, k = eng.num_slots, eng.k
-    vocab = eng.cfg.vocab_size
-    rng = np.random.default_rng(seed)
-    ids = jnp.arange(s, dtype=jnp.int32)
-    zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
-    state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
-                       jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32))
-    eng.state = state.replace(length=jnp.full((s,), context, jnp.int32),
-                              last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
-                              drafts=jnp.asarray(rng.integers(0, vocab, (s, k)), jnp.int32),
-                              generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
-
-
-def synthetic_engine(model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:
-    """An engine of ``batch`` slots with ``room`` KV rows of headroom past ``context``, every slot busy
-    (:func:`fill_synthetic`)."""
-    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
-                 steps_per_sync=steps_per_sync, check_memory=False)
-    fill_synthetic(eng, context, batch * 10 + k)
-    return eng
-
-
-def timed_loops(eng: Engine, params, n: int) -> list[tuple[float, dict]]:
-    """``n`` device loops of ``eng``, each timed until its outputs are on the host (the engine reads every loop's
-    outputs back, so the timing includes it): ``[(seconds, outputs)]``."""
-    res = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        eng.state, out = eng.device_loop()(params, eng.state)
-        out = jax.device_get(out)
-        res.append((time.perf_counter() - t0, out))
-    return res
-
-
 def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_sync: int, bw: float) -> dict:
     """Device step time with every slot busy (the jitted ``steps_per_sync``-step loop, timed between host reads)."""
     cfg = model.config
     room = steps_per_sync * (syncs + 2) * (k + 1) + 16
     eng = synthetic_engine(model, batch, k, context, room, steps_per_sync)
-    _COMPILE_S[0] = 0.0
+    COMPILE.reset()
     t0 = time.perf_counter()
     eng.state, out = eng.device_loop()(model.params, eng.state)
     jax.block_until_ready(out)
     first = time.perf_counter() - t0
-    compile_s = _COMPILE_S[0]
+    compile_s = COMPILE.seconds
     times, accepted, steps = [], 0, 0
     for dt, out in timed_loops(eng, model.params, syncs):
         times.append(dt)
@@ -278,83 +117,19 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
     }
 
 
-def speedup_bound(step: dict, plain: dict, bw: float) -> dict:
-    """What the bytes allow a k-step against the plain step of the same batch on this machine:
-    ``step_ratio_at_roofline`` (its bytes over the plain step's: the cost ratio if both ran at the roofline) and
-    ``tokens_ratio_bound`` (output tokens/s over plain at the published AL if the step cost the measured plain step
-    plus its extra bytes at the measured bandwidth, and nothing else)."""
-    extra_s = max(step["bytes_needed"]["total"] - plain["bytes_needed"]["total"], 0) / bw
-    plain_s = plain["step_ms"] / 1e3
-    return {"step_ratio_at_roofline": step["bytes_needed"]["total"] / plain["bytes_needed"]["total"],
-            "tokens_ratio_bound": PUBLISHED_AL[step["k"]] * plain_s / (plain_s + extra_s)}
-
-
-def split_spec(spec: str) -> tuple[str, dict]:
-    """An A/B variant ``"name=value,..."`` -> (its backend overrides, its module constants): an item ``mod.NAME=int``
-    sets ``jaxmtp.pallas.mod.NAME`` (a dispatch threshold such as ``matmul.OUTPUT_SKINNY_MAX_ROWS``) while that
-    variant compiles (:func:`variant_constants`)."""
-    items = [x for x in spec.split(",") if x]
-    consts = {a: int(b) for a, _, b in (x.partition("=") for x in items if "." in x.partition("=")[0])}
-    return ",".join(x for x in items if "." not in x.partition("=")[0]), consts
-
-
-@contextlib.contextmanager
-def variant_constants(spec: str):
-    """Set the module constants of ``spec`` (:func:`split_spec`) for the block, restoring them after."""
-    saved = []
-    try:
-        for name, value in split_spec(spec)[1].items():
-            mod, attr = name.rsplit(".", 1)
-            module = importlib.import_module(f"jaxmtp.pallas.{mod}")
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, value)
-        yield
-    finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
-
-
-def variant_model(model, spec: str):
-    """``model`` with the backend overrides ``spec`` (``"name=value,..."``), its params in the layout that backend
-    reads (the output projections transposed or not, the MTP layer int8 or not: arrays shared otherwise). An A/B
-    model is built with an exact MTP layer (``--ab``), since int8 cannot be undone."""
-    m = dataclasses.replace(model, backend=override_backend(model.backend, split_spec(spec)[0]))
-    params = model.params
-    if transposes_outputs(m.backend) != transposes_outputs(model.backend):
-        params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend))  # new dicts
-    if "draft_head" in params and quantizes_mtp(m.backend) != has_quantized_mtp(params):
-        if has_quantized_mtp(params):
-            raise ValueError("the model's MTP layer is int8 already: build it exact to compare (see main)")
-        params = quantize_mtp(jax.tree.map(lambda a: a, params))
-    return dataclasses.replace(m, params=params)
-
-
-def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[float]]:
-    """Step times (ms) of each engine, timed in alternation: ``rounds`` rounds, each timing every engine's ``syncs``
-    device loops (their median per step). ``params``: one params tree for all, or one per engine."""
-    params = params if isinstance(params, list) else [params] * len(engines)
-    times: list[list[float]] = [[] for _ in engines]
-    for _ in range(rounds):
-        for i, (eng, p) in enumerate(zip(engines, params)):
-            ts = [dt for dt, _ in timed_loops(eng, p, syncs)]
-            times[i].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
-    return times
-
-
 def bench_ab(model, batch: int, k: int, context: int, variants: list[str], rounds: int, syncs: int,
              steps_per_sync: int, bw: float) -> dict:
-    """The same step under several backend overrides (``variants``, "" = the model's backend), in one process on the
-    same weights, timed in alternation: ``rounds`` rounds, each timing every variant's ``syncs`` loops. Step-time
-    differences of a few percent are below the spread between processes (docs/performance.md, runs 7-10) but not
-    between rounds of one process, which this measures."""
+    """The same step under several overrides (``variants``: :func:`jaxmtp.pallas.override_backend` specs of backend
+    and kernel-policy fields, "" = the model's backend), in one process on the same weights, timed in alternation:
+    ``rounds`` rounds, each timing every variant's ``syncs`` loops. Step-time differences of a few percent are below
+    the spread between processes but not between rounds of one process, which this measures."""
     cfg = model.config
     room = steps_per_sync * (rounds * syncs + 2) * (k + 1) + 16
     engines = []
     for spec in variants:
         m = variant_model(model, spec)
         eng = synthetic_engine(m, batch, k, context, room, steps_per_sync)
-        with variant_constants(spec):
-            timed_loops(eng, m.params, 1)  # compile
+        timed_loops(eng, m.params, 1)  # compile
         engines.append((m, eng))
     times = alternating_step_ms([eng for _, eng in engines], [m.params for m, _ in engines], rounds, syncs)
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
@@ -373,7 +148,7 @@ def bench_ratio(model, batch: int, k: int, context: int, rounds: int, syncs: int
     """The k-draft step against the plain step of the same weights, timed in alternating rounds in one process (each
     round: ``syncs`` loops of the plain engine, then of the k engine): the per-round ratios and their median, so
     that drift within the process (clocks, other tenants) moves both steps alike. The spread between processes is
-    larger still (docs/performance.md, runs 14-17): run several processes and report the distribution."""
+    larger still: run several processes and report the distribution."""
     room = steps_per_sync * (rounds * syncs + 2) * (k + 1) + 16
     engines = [synthetic_engine(model, batch, kk, context, room, steps_per_sync) for kk in (0, k)]
     for eng in engines:
@@ -489,11 +264,11 @@ def main(argv=None) -> int:
     ap.add_argument("--syncs", type=int, default=6)
     ap.add_argument("--steps-per-sync", type=int, default=8)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--override", default="", help="backend fields to set, e.g. gdn_mixer=xla,norm=triton")
-    ap.add_argument("--ab", default="", help="backend overrides to compare in one process, '|'-separated (an empty "
-                    "entry = the default), e.g. '|norm=triton' or '|matmul.OUTPUT_SKINNY_MAX_ROWS=1' (a dispatch "
-                    "threshold of jaxmtp.pallas.matmul, set while that variant compiles): each grid point is timed in "
-                    "alternating rounds")
+    ap.add_argument("--override", default="", help="backend and kernel-policy fields to set "
+                    "(jaxmtp.pallas.override_backend), e.g. gdn_mixer=xla,norm=triton")
+    ap.add_argument("--ab", default="", help="overrides to compare in one process, '|'-separated (an empty entry = "
+                    "the default), each a --override spec of backend and kernel-policy fields, e.g. '|norm=triton' "
+                    "or '|output_split_max_rows=1': each grid point is timed in alternating rounds")
     ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--ratio", default="", help="batch:k pairs, e.g. 1:3: the k step against the plain step in "
                     "alternating rounds in one process (--ratio-rounds), per-round ratios and their median")
@@ -519,12 +294,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if args.hf_only:
         return hf_only(args)
-    dev = jax.devices()[0]
-    result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
-              "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
-              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "layout": args.layout,
-              "draft_vocab": args.draft_vocab, "draft_head_bits": args.draft_head_bits,
-              "models": {}}
+    result = {**run_metadata(), "layout": args.layout, "draft_vocab": args.draft_vocab,
+              "draft_head_bits": args.draft_head_bits, "models": {}}
     bw = hbm_bandwidth()
     result["hbm_bytes_per_s"] = bw
     print(f"device {result['device']}, measured bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -534,8 +305,7 @@ def main(argv=None) -> int:
     hf_models = set(filter(None, (args.hf_models or args.models).split(",")))
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
     def over() -> bool:
         return time.perf_counter() - t_start > args.time_limit
@@ -543,18 +313,7 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         if over():
             break
-        over_kw = {}
-        if args.tiny:
-            over_kw = dict(hidden_size=64, vocab_size=512, intermediate_size=128 if shapes.config(name).intermediate_size
-                           else 0, num_hidden_layers=4, layer_types=shapes.config(name).layer_types[:4],
-                           moe_layers=shapes.config(name).moe_layers[:4], head_dim=32, linear_key_head_dim=16,
-                           linear_value_head_dim=16, linear_num_key_heads=2,
-                           linear_num_value_heads=2 * shapes.config(name).gdn_v_per_k,
-                           num_attention_heads=4, num_key_value_heads=2)
-            if shapes.config(name).is_moe:
-                over_kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=32)
-        cfg = shapes.config(name, **over_kw)
+        cfg = tiny_config(name) if args.tiny else shapes.config(name)
         t0 = time.perf_counter()
         backend = override_backend(resolve_backend(args.backend, cfg, dtype), args.override)  # before the layout
         model = random_model(cfg, dtype, backend, args.layout, args.draft_vocab, args.draft_head_bits,
@@ -656,7 +415,10 @@ def main(argv=None) -> int:
 
 
 def hf_only(args) -> int:
-    """transformers' greedy generation for each model and batch, alone in this process."""
+    """transformers' greedy generation for each model and batch, alone in this process (no JAX device use)."""
+    import datetime
+    import os
+
     import torch
 
     out = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
@@ -681,8 +443,7 @@ def hf_only(args) -> int:
                 r = {"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             out["models"][name].append(r)
             print("hf", name, json.dumps(r), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            write_json(args.out, out)
     return 0
 
 

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     import jax
 
     import jaxmtp
-    from jaxmtp.model import describe_draft_head
+    from jaxmtp.mtp import describe_draft_head
 
     from jaxmtp.pallas import override_backend
 

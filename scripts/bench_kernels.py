@@ -4,10 +4,10 @@
     python scripts/bench_kernels.py --smoke    # tiny shapes, interpret mode, no torch: checks the script on a CPU
 
 Sections: ``ceilings`` (device copy, bf16 matmul), ``check`` (every kernel vs its reference at Qwen3.5 shapes, bf16),
-``model`` (small random Qwen3.5: prefill, decode, verify with kernels vs the XLA path), ``fla_check`` (FLA computes
-the same function), ``recurrent``, ``commit`` (every layer's verify commit in one launch vs one per layer),
-``chunk``, ``attention``, ``moe`` (timings), ``sweep`` / ``sweep_final`` /
-``moe_sweep`` (tiles).
+``fla_check`` (FLA computes the same function), ``recurrent``, ``commit`` (every layer's verify commit in one launch
+vs one per layer), ``chunk``, ``attention``, ``moe``, ``matmul`` (few-row projections and the quantised draft head;
+timings), ``sweep`` / ``sweep_final`` / ``moe_sweep`` (tiles). The kernels inside a model (prefill, decode, verify
+against the XLA path) are checked by ``pytest -m gpu tests/test_gpu_checks.py``.
 Everything does not fit in one 10-minute device call: see docs/performance.md ("Kernels") for the calls used.
 
 Timing (:func:`time_jax`): one jit runs 1 + n calls, each fed the previous call's output (a true dependency: no
@@ -21,7 +21,6 @@ in the same run (a device-to-device copy, a bf16 8192^3 matmul). Results go to J
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -33,12 +32,12 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxmtp.benchmarking import device_seconds  # noqa: E402
 from jaxmtp.pallas.attention import attention_reference  # noqa: E402
 from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
@@ -106,8 +105,6 @@ def time_jax(fn, *args, chain, reps=None, iters=ITERS):
         return statistics.median(ts)
 
     if ARGS is not None and getattr(ARGS, "timer", "wall") == "trace":
-        from devtime import device_seconds
-
         return device_seconds(fn, *args, chain=chain, calls=reps)
     t1, tn = median_wall(1), median_wall(1 + reps)
     return (tn - t1) / reps if tn > t1 else tn / (1 + reps)
@@ -340,98 +337,6 @@ def section_check():
         add_check(f"moe n{n} E{e} K{kk} H{h} I{i}", *rel_err(o, o_r), 1e-2, kernel_vs_f32=rel_err(o, truth)[0],
                   xla_bf16_vs_f32=rel_err(o_r, truth)[0])
     del gate_up32, down32
-
-
-def section_model():
-    """Small random Qwen3.5 models (real head sizes; dense and MoE): prefill, decode and verify with every kernel vs
-    the XLA path, bf16. The few-row matmul kernel is used here for every product of up to 64 rows and the output
-    kernel (transposed output projections) for up to 4 (the defaults use them for single rows only), so that decode
-    and verify exercise them."""
-    from jaxmtp.config import FULL, LINEAR, Qwen35Config
-    from jaxmtp.pallas import Backend
-
-    sm = ARGS.smoke
-    dense = Qwen35Config(
-        family="qwen3_5", vocab_size=2048 if not sm else 64, hidden_size=1024 if not sm else 64, num_hidden_layers=4,
-        num_attention_heads=16 if not sm else 4, num_key_value_heads=2, head_dim=256 if not sm else 32,
-        layer_types=(LINEAR, LINEAR, LINEAR, FULL), linear_num_key_heads=16 if not sm else 2,
-        linear_num_value_heads=32 if not sm else 4, linear_key_head_dim=128 if not sm else 16,
-        linear_value_head_dim=128 if not sm else 16, intermediate_size=2048 if not sm else 64)
-    moe = dataclasses.replace(dense, family="qwen3_5_moe", intermediate_size=0, num_experts=64 if not sm else 8,
-                              num_experts_per_tok=8 if not sm else 2, moe_intermediate_size=256 if not sm else 32,
-                              shared_expert_intermediate_size=256 if not sm else 32, moe_layers=(True,) * 4)
-    kind = "triton_interpret" if sm else "triton"
-    kernels = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, moe=kind, matmul=kind, norm=kind,
-                      gdn_mixer=kind, attention_prelude=kind, out_matmul=kind)
-    for label, cfg in (("dense", dense), ("moe", moe)):
-        if out_of_time("model"):
-            return
-        _model_check(label, cfg, kernels)
-
-
-def _model_check(label, cfg, kernels):
-    import jaxmtp.pallas.matmul as matmul_mod
-    from jaxmtp.layers.gated_deltanet import GDNCarry, select_steps
-    from jaxmtp.model import forward, init_carry, init_params
-    from jaxmtp.pallas import XLA
-    from jaxmtp.param_layout import fuse_projections, set_output_layout, transposes_outputs
-
-    params = fuse_projections(init_params(cfg, jax.random.key(0), jnp.bfloat16))  # serving layout: fused mixer too
-    transposed = set_output_layout(jax.tree.map(lambda a: a, params), True)  # what the output kernel reads
-    b, t0, cap = 2, 200, 256
-    rng = np.random.default_rng(0)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t0 + 5)), jnp.int32)
-    pre = np.broadcast_to(np.arange(t0, dtype=np.int32), (b, t0)).copy()
-    pre[1, 150:] = -1
-    lens = np.array([t0, 150])
-
-    def run(backend, dtype=jnp.bfloat16):
-        fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
-        src = transposed if transposes_outputs(backend) else params
-        p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.bfloat16 else a, src)
-        logits_p, _, carry = fwd(p, ids[:, :t0], jnp.asarray(pre), init_carry(cfg, b, cap, dtype))
-        logits_d, _, carry = fwd(p, ids[:, t0 : t0 + 1], jnp.asarray(lens[:, None], jnp.int32), carry)
-        vpos = jnp.asarray(lens[:, None] + 1 + np.arange(4)[None], jnp.int32)
-        logits_v, _, steps = fwd(p, ids[:, t0 + 1 : t0 + 5], vpos, carry, step_states=True)
-        n = jnp.asarray([4, 2], jnp.int32)  # accepted prefixes, committed with the backend's recurrent rule
-        states = [c.state for c in select_steps(steps, n, backend.gdn_recurrent) if isinstance(c, GDNCarry)]
-        return [logits_p, logits_d, logits_v], states
-
-    max_rows, out_rows = matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS
-    matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS = 64, 4
-    try:
-        got, got_s = run(kernels)
-        try:  # the GPU kernels' tiles are sized for 16-bit inputs; float32 may exceed shared memory
-            got32, got32_s = run(kernels, jnp.float32)
-        except Exception as e:  # noqa: BLE001 - recorded, the bf16 checks still run
-            RESULTS["errors"].append(f"model {label} float32 kernels: {type(e).__name__}: {str(e)[:200]}")
-            got32, got32_s = None, None
-    finally:
-        matmul_mod.KERNEL_MAX_ROWS, matmul_mod.OUTPUT_GEMV_MAX_ROWS = max_rows, out_rows
-    want, want_s = run(XLA)
-    with jax.default_matmul_precision("highest"):  # XLA:GPU would otherwise use TF32 for float32 products
-        truth, truth_s = run(XLA, jnp.float32)  # the same bf16 weights, float32 activations
-    mask = (pre >= 0)[:, :, None]
-    # bf16: kernels vs XLA within 2e-2, or (MoE: bf16 noise flips top-k routing, so both paths move far from the
-    # float32 result) the kernels no further from float32 than XLA's bf16 path (x 1.25). float32: the kernels'
-    # float32 path against XLA at full precision, 2e-3.
-    for name, g_, w_, t_, g32, m in zip(["prefill", "decode", "verify"], got, want, truth, got32 or [None] * 3,
-                                        [mask, None, None]):
-        err, fin = rel_err(g_, w_, m)
-        k_f32, x_f32 = rel_err(g_, t_, m)[0], rel_err(w_, t_, m)[0]
-        agree = float(np.mean(np.argmax(np.asarray(g_), -1) == np.argmax(np.asarray(w_), -1)))
-        score = min(err / 2e-2, k_f32 / max(1.25 * x_f32, 1e-30))  # < 1 passes either criterion
-        add_check(f"model {label} {name} logits bf16 (score)", score, fin, 1.0, kernels_vs_xla=err,
-                  argmax_agreement=agree, kernels_vs_f32=k_f32, xla_bf16_vs_f32=x_f32)
-        if g32 is not None:
-            add_check(f"model {label} {name} logits float32", *rel_err(g32, t_, m), 2e-3)
-    err = max(rel_err(g_, w_)[0] for g_, w_ in zip(got_s, want_s))
-    add_check(f"model {label} verify GDN step states bf16", err, True, 2e-2,
-              kernels_vs_f32=max(rel_err(g_, t_)[0] for g_, t_ in zip(got_s, truth_s)),
-              xla_bf16_vs_f32=max(rel_err(w_, t_)[0] for w_, t_ in zip(want_s, truth_s)))
-    if got32_s is not None:
-        add_check(f"model {label} verify GDN step states float32",
-                  max(rel_err(g_, t_)[0] for g_, t_ in zip(got32_s, truth_s)), True, 2e-3)
 
 
 def fla_inputs(b, t, hk, hv, d):
@@ -720,6 +625,74 @@ def section_moe():
                 record("moe_experts", shape, name, sec, nbytes, flops, **extra)
 
 
+# (model, weight, K, N) of floating projections, stored [K, N] (x @ W); the 4B's tied head [V, H] for the draft head
+MATMUL_SHAPES = [
+    ("0.8b", "mlp gate|up", 1024, 7168), ("0.8b", "mlp down", 3584, 1024), ("0.8b", "gdn in_proj", 1024, 6144),
+    ("4b", "mlp gate|up", 2560, 18432), ("4b", "mlp down", 9216, 2560), ("4b", "gdn in_proj", 2560, 8192),
+    ("4b", "gdn out_proj", 4096, 2560),
+]
+MATMUL_ROWS = (1, 4)
+HEAD_SHAPE = (248320, 2560)  # (V, H) of the 4B
+
+
+def chain_rows(a, out):
+    """Projections: the output feeds the next call's x (a true dependency; x keeps its shape)."""
+    return (a[0] + (out[..., :1] * 1e-3).astype(a[0].dtype), *a[1:])
+
+
+def section_matmul():
+    """Few-row projections (decode: 1 row, a k = 3 verify: 4 rows) at the 0.8B and 4B shapes: XLA's ``x @ W``
+    against the tensor-core few-row kernel (``skinny_matmul_triton``, default tiles) and, where it applies, the
+    multiply-add kernel (``gemv_matmul_triton``) on the weight stored ``[N, K]``; then the draft head (the 4B's [V, H], int8 and int4 rows) through
+    ``quantized_linear`` as the engine dispatches it, against XLA's product and the bf16 head. Each kernel is checked
+    against a float64 product (``check`` rows). Bandwidth: weight bytes over time."""
+    from jaxmtp.pallas.matmul import matmul_reference, quantized_linear
+    from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
+    from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
+    from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton
+    from jaxmtp.param_layout import quantize_rows, quantize_rows_int4
+
+    sm = ARGS.smoke
+    shapes = [("tiny", "w", 256, 384)] if sm else MATMUL_SHAPES
+    for (model, name, k, n), m in ((s, m) for s in shapes for m in MATMUL_ROWS):
+        if out_of_time("matmul"):
+            return
+        key = jax.random.key(k * 7 + n + m)
+        x = jax.random.normal(key, (m, k), jnp.bfloat16)
+        w = (jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        shape, nbytes = dict(model=model, w=name, m=m, k=k, n=n), w.size * 2
+        w_t = w.T.copy()  # the [N, K] layout the multiply-add kernel reads (block-output weights, int8 heads)
+        impls = {"xla": (lambda a, b: matmul_reference(a, b), w),
+                 "skinny": (lambda a, b: skinny_matmul_triton(a, b, **impl_kw()), w)}
+        if gemv_supports(m, k, n, True, w.dtype):
+            impls["gemv_nk"] = (lambda a, b: gemv_matmul_triton(a, b, transpose_w=True, **impl_kw()), w_t)
+        for impl, (fn, weight) in impls.items():
+            if impl != "xla":
+                add_check(f"matmul {impl} {model} {name} m{m}", *rel_err(fn(x, weight), want), 1e-2)
+            record("matmul", shape, impl, time_jax(fn, x, weight, chain=chain_rows), nbytes)
+    v, h = (512, 256) if sm else HEAD_SHAPE
+    head = (jax.random.normal(jax.random.key(5), (v, h), jnp.float32) * h**-0.5).astype(jnp.bfloat16)
+    kernel = "triton_interpret" if sm else "triton"
+    for m in MATMUL_ROWS:
+        if out_of_time("matmul"):
+            return
+        x = jax.random.normal(jax.random.key(m), (m, h), jnp.bfloat16)
+        shape = dict(model="tiny" if sm else "4b", w="draft head", m=m, k=h, n=v)
+        record("draft_head", shape, "bf16_xla", time_jax(lambda a, b: matmul_reference(
+            a, b, transpose_w=True, out_dtype=jnp.float32), x, head, chain=chain_rows), head.size * 2)
+        for bits, quantize in ((8, quantize_rows), (4, quantize_rows_int4)):
+            q, scale = quantize(head)
+            nbytes = q.size * q.dtype.itemsize + scale.size * scale.dtype.itemsize
+            want = quantized_linear(x, q, scale, implementation="xla")
+            got = quantized_linear(x, q, scale, implementation=kernel)
+            add_check(f"draft head int{bits} m{m}", *rel_err(got, want), 1e-2)
+            for impl in ("xla", kernel):
+                record("draft_head", shape, f"int{bits}_{impl}", time_jax(
+                    lambda a, b, c, impl=impl: quantized_linear(a, b, c, implementation=impl), x, q, scale,
+                    chain=chain_rows), nbytes)
+
+
 def section_sweep():
     """Tile sizes of each kernel at a few shapes (the defaults come from here)."""
     sm = ARGS.smoke
@@ -853,9 +826,9 @@ def section_sweep_final():
 
 
 SECTIONS = {
-    "ceilings": section_ceilings, "check": section_check, "model": section_model, "fla_check": section_fla_check,
+    "ceilings": section_ceilings, "check": section_check, "fla_check": section_fla_check,
     "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk,
-    "attention": section_attention, "moe": section_moe,
+    "attention": section_attention, "moe": section_moe, "matmul": section_matmul,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
     "mixer": section_mixer,
 }
@@ -885,11 +858,11 @@ def main():
     global ARGS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_kernels.json")
-    p.add_argument("--sections", default="ceilings,check,model,recurrent,chunk,attention,moe")
+    p.add_argument("--sections", default="ceilings,check,recurrent,chunk,attention,moe,matmul")
     p.add_argument("--max-seconds", type=float, default=540.0)
     p.add_argument("--timer", choices=("wall", "trace"), default="wall",
                    help="wall: difference of two chained loops' wall times; trace: device kernel time from a "
-                        "profiler trace (scripts/devtime.py), steadier for ops of a few microseconds")
+                        "profiler trace (jaxmtp.benchmarking.device_seconds), steadier for ops of a few microseconds")
     p.add_argument("--moe-tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                    help="token counts of the moe_sweep section (default 1,4,8,32,128,512)")
     p.add_argument("--moe-variants", default=None,

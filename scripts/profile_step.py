@@ -4,21 +4,17 @@
     python scripts/profile_step.py --model qwen3.5-4b --batch 1 --k 0 --out prof.json [--backend auto]
 
 Builds a random bf16 model of a released Qwen3.5 shape, fills every slot with a request ``--context`` tokens deep
-(as ``bench_decode.py`` does), warms the engine's jitted ``steps_per_sync``-step loop, then traces ``--syncs`` calls
-with ``jax.profiler`` and reads the trace back (``*.trace.json.gz``; no TensorBoard needed). Reported per step:
-wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is the idle share:
-launch gaps, host round trips), and the ops with the most device time. Run it with different ``XLA_FLAGS`` in
-separate processes to compare compiler settings. JSON out; a short summary prints last.
+(``jaxmtp.benchmarking.synthetic_engine``), warms the engine's jitted ``steps_per_sync``-step loop, then traces
+``--syncs`` calls with ``jax.profiler`` and reads the trace back (``*.trace.json.gz``; no TensorBoard needed).
+Reported per step: wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is
+the idle share: launch gaps, host round trips), and the ops with the most device time. Run it with different
+``XLA_FLAGS`` in separate processes to compare compiler settings. JSON out; a short summary prints last.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import glob
-import gzip
-import json
 import os
 import re
 import sys
@@ -26,92 +22,16 @@ import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import (  # noqa: E402
-    LAYOUTS, draft_head_bytes, mtp_bytes, random_model, step_bytes, synthetic_engine, timed_loops)
 from jaxmtp import shapes  # noqa: E402
+from jaxmtp.benchmarking import (LAYOUTS, covered_time, draft_head_bytes, hlo_sources, is_device_stream,  # noqa: E402
+                                 mtp_bytes, random_model, read_trace, run_metadata, step_bytes, synthetic_engine,
+                                 timed_loops, tiny_config, write_json)
 from jaxmtp.pallas import override_backend, resolve_backend  # noqa: E402
-
-
-def _union(intervals) -> float:
-    """Total length covered by ``(start, end)`` intervals."""
-    total, end = 0.0, -float("inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-def read_trace(trace_dir: str) -> dict:
-    """Events of the newest ``*.trace.json.gz`` under ``trace_dir``, grouped by (process, thread) name."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-    with gzip.open(files[-1], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname, tname = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            tname[(e["pid"], e["tid"])] = e["args"]["name"]
-    groups = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e:
-            key = (pname.get(e["pid"], str(e["pid"])), tname.get((e["pid"], e["tid"]), str(e["tid"])))
-            groups[key].append(e)
-    return groups
-
-
-def hlo_sources(text: str, depth: int = 4) -> dict[str, str]:
-    """Instruction name -> its innermost ``depth`` source frames (``file:line function < caller ...``), read from
-    the optimised HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables and each instruction's
-    ``stack_frame_id``. A frame's printed ``parent_frame_id`` is the parent's number + 1 (0: none)."""
-    tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
-    section = None
-    for line in text.splitlines():
-        s = line.strip()
-        if s in tables:
-            section = s
-            continue
-        m = re.match(r"^(\d+) (.*)$", s) if section else None
-        if not m:
-            section = None
-            continue
-        i, rest = int(m.group(1)), m.group(2)
-        if section in ("FileNames", "FunctionNames"):
-            tables[section][i] = rest.strip('"')
-        else:
-            tables[section][i] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
-    files, funcs, locs, frames = (tables[k] for k in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"))
-    out = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
-        fid, chain, seen = int(m.group(2)), [], set()
-        while fid in frames and fid not in seen and len(chain) < depth:
-            seen.add(fid)
-            loc = locs[frames[fid]["file_location_id"]]
-            chain.append(f"{os.path.basename(files[loc['file_name_id']])}:{loc['line']} "
-                         f"{funcs[loc['function_name_id']].split('.')[-1]}")
-            fid = frames[fid]["parent_frame_id"] - 1
-        out.setdefault(m.group(1), " < ".join(chain))
-    return out
-
-
-def is_device_stream(process: str, thread: str) -> bool:
-    """Threads that hold device kernels (one per CUDA stream), not the derived "XLA Ops"/"XLA Modules" lines."""
-    p, t = process.lower(), thread.lower()
-    return ("gpu" in p or "device" in p) and "stream" in t
 
 
 def summarise(groups: dict, steps: int, wall_s: float, top: int, sources: dict | None = None) -> dict:
@@ -121,7 +41,7 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int, sources: dict |
                         "total_us": sum(e["dur"] for e in evs)})
         if is_device_stream(proc, thr):
             kernels.extend(evs)
-    busy_us = _union((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy_us = covered_time((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     by_op = collections.defaultdict(lambda: [0, 0.0])
     for e in kernels:
         args = e.get("args", {})
@@ -212,9 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-sync", type=int, default=8)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--override", default="", help="backend fields to set, e.g. matmul=triton,moe=xla")
-    ap.add_argument("--matmul-max-rows", type=int, default=None, help="jaxmtp.pallas.matmul.KERNEL_MAX_ROWS")
-    ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (bench_decode.random_model)")
+    ap.add_argument("--override", default="", help="backend and kernel-policy fields to set "
+                    "(jaxmtp.pallas.override_backend), e.g. matmul=triton,kernel_max_rows=4")
+    ap.add_argument("--layout", default="serving", choices=LAYOUTS,
+                    help="params layout (jaxmtp.benchmarking.random_model)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
     ap.add_argument("--tiny", action="store_true", help="shrink the shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="profile_step.json")
@@ -223,24 +144,11 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
     args = ap.parse_args(argv)
 
-    over = {}
-    if args.tiny:
-        over = dict(hidden_size=64, vocab_size=512, intermediate_size=128, num_hidden_layers=4,
-                    layer_types=shapes.config(args.model).layer_types[:4], moe_layers=(False,) * 4, head_dim=32,
-                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                    linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2)
-    cfg = shapes.config(args.model, **over)
-    if args.matmul_max_rows is not None:
-        import jaxmtp.pallas.matmul as matmul_mod
-
-        matmul_mod.KERNEL_MAX_ROWS = args.matmul_max_rows
+    cfg = tiny_config(args.model) if args.tiny else shapes.config(args.model)
     backend = override_backend(resolve_backend(args.backend, cfg, jnp.bfloat16), args.override)  # before the layout
     model = random_model(cfg, jnp.bfloat16, backend, args.layout, args.draft_vocab)
-    dev = jax.devices()[0]
-    result = {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
-              "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model,
-              "backend": str(model.backend), "layout": args.layout, "matmul_max_rows": args.matmul_max_rows,
-              "command": " ".join(sys.argv), "runs": []}
+    result = {**run_metadata(), "model": args.model, "backend": str(model.backend), "layout": args.layout,
+              "runs": []}
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
         for k, sampling in ((k, s) for k in ks.split(",") for s in args.sampling.split(",")):
@@ -250,8 +158,7 @@ def main(argv=None) -> int:
                                            head_bytes=draft_head_bytes(model.params),
                                            mtp_stored=mtp_bytes(model.params))["total"]
             result["runs"].append(r)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.out, result)
             print(f"{args.model} B={b} k={k} sampling={sampling}: step {r['wall_ms_per_step']:.2f} ms traced "
                   f"({r['untraced_step_ms']:.2f} untraced), {r['kernels_per_step']:.0f} kernels, device busy "
                   f"{r['device_busy_ms_per_step']:.2f} ms", flush=True)

@@ -313,7 +313,8 @@ def model_outputs(params, cfg, window, compute_dtype, mtp_grad: str = "detach"):
     import jax
     import jax.numpy as jnp
 
-    from jaxmtp.model import forward, init_carry, init_mtp_carry, mtp_forward
+    from jaxmtp.model import forward, init_carry
+    from jaxmtp.mtp import init_mtp_carry, mtp_forward
 
     p = cast_compute(params, compute_dtype)
     b, t1 = window.shape

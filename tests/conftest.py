@@ -1,16 +1,29 @@
 import os
+import re
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if os.environ["JAX_PLATFORMS"] == "cpu":
-    # The CPU suite runs tiny models whose run time is negligible next to XLA compilation: compile fast.
-    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import hf_builders  # noqa: E402
+
+
+def pytest_configure(config):
+    """Pin JAX to the CPU (before any backend starts), except for ``pytest -m gpu`` (tests/test_gpu_checks.py), which
+    keeps JAX's default device, allocating GPU memory as needed so that xdist workers (``-n 4``) can share it."""
+    if re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or ""):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if os.environ["JAX_PLATFORMS"] == "cpu":
+        # The CPU suite runs tiny models whose run time is negligible next to XLA compilation: compile fast.
+        os.environ.setdefault("XLA_FLAGS",
+                              "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    import jax
+
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 @pytest.fixture(scope="session")

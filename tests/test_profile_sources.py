@@ -1,17 +1,14 @@
-"""scripts/profile_step.py's HLO-to-source map: a compiled function's kernels point back to the lines that wrote
-them (the reference is this file's own line numbers)."""
+"""jaxmtp.benchmarking.hlo_sources (scripts/profile_step.py's HLO-to-source map): a compiled function's kernels point
+back to the lines that wrote them (the reference is this file's own line numbers)."""
 
 import inspect
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-
-from profile_step import hlo_sources  # noqa: E402
+from jaxmtp.benchmarking import hlo_sources
 
 
 def _inner(x):

@@ -19,7 +19,7 @@ Result: ``(sum_k q_k * xq_k - 8 * sum_k xq_k) * row_scale * scale[n]`` in float3
 float multiplications (the integer sum cannot overflow for K < 2^20). Grid ``(N / BN,)``; each program reads its
 ``BN`` weight rows whole, ``words_per_step`` words per row per step. In interpret mode (CPU tests) ``dp4a`` is
 emulated with integer jnp ops; the PTX instruction itself runs only on the GPU (checked there against the reference
-by scripts/bench_gemv.py). Reference: :func:`jaxmtp.pallas.matmul.reference.w4a8_matmul_reference`.
+by scripts/bench_kernels.py --sections matmul). Reference: :func:`jaxmtp.pallas.matmul.reference.w4a8_matmul_reference`.
 
 :func:`w4a8_argmax_triton` is the drafts' use of it: only the index of each row's largest value is wanted, so each
 program writes its columns' maximum and first index instead of the logits, and a small jnp argmax over the programs

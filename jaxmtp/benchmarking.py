@@ -1,0 +1,410 @@
+"""Helpers shared by the benchmark scripts (``scripts/bench_*.py``, ``scripts/profile_step.py``) and their tests.
+
+* Models: :func:`tiny_config` (a released shape's layout at width 64), :func:`random_model` (random weights in a
+  params layout), :func:`variant_model` (the same weights under a backend / kernel-policy override).
+* Engines with every slot busy: :func:`synthetic_engine`, :func:`fill_synthetic`, :func:`timed_loops`.
+* Timing: :func:`median_time`, :func:`alternating_step_ms` (variants timed in alternating rounds of one process),
+  :class:`CompileClock`, :func:`device_seconds` (kernel time from a profiler trace) and the trace readers
+  (:func:`read_trace`, :func:`is_device_stream`, :func:`covered_time`, :func:`hlo_sources`).
+* Roofline: :func:`hbm_bandwidth`, :func:`step_bytes` (the bytes a decode step must move), :func:`speedup_bound`.
+* Results: :func:`run_metadata` (device, date, versions, command) and :func:`write_json`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import glob
+import gzip
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp import shapes
+from jaxmtp.config import Qwen35Config
+from jaxmtp.engine import Engine
+from jaxmtp.loaded_model import Model
+from jaxmtp.model import init_params, param_shapes
+from jaxmtp.pallas import override_backend, resolve_backend
+from jaxmtp.param_layout import (has_quantized_mtp, quantize_mtp, quantizes_mtp, serving_layout, set_output_layout,
+                                 transposes_outputs, weight_bytes)
+
+# Mean acceptance lengths (tokens per verify step) published for Qwen3.5's MTP head: k = 1, 2, 3; k = 4 extrapolated
+# with the per-position rate 0.7 that k = 3's 2.9 implies (1 + .7 + .49 + .343 + .24).
+PUBLISHED_AL = {0: 1.0, 1: 1.9, 2: 2.4, 3: 2.9, 4: 3.14}
+
+LAYOUTS = ("serving", "fused", "native")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------------------------
+def tiny_config(cfg: Qwen35Config | str) -> Qwen35Config:
+    """``cfg`` (a config or a shape name of :mod:`jaxmtp.shapes`) shrunk to its first four layers at width 64, keeping
+    its layout (layer types, MoE layers, GDN value heads per key head, a dense MLP or routed experts): the scripts'
+    CPU smoke runs and the checks' tests."""
+    cfg = shapes.config(cfg) if isinstance(cfg, str) else cfg
+    over = dict(hidden_size=64, vocab_size=512, intermediate_size=128 if cfg.intermediate_size else 0,
+                num_hidden_layers=4, layer_types=cfg.layer_types[:4], moe_layers=cfg.moe_layers[:4], head_dim=32,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=2 * cfg.gdn_v_per_k, num_attention_heads=4, num_key_value_heads=2)
+    if cfg.is_moe:
+        over.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return dataclasses.replace(cfg, **over)
+
+
+def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "serving", draft_vocab: int | None = None,
+                 draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None, seed: int = 0) -> Model:
+    """A :class:`jaxmtp.loaded_model.Model` of random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives:
+    fused projections, the quantised draft head and, where the backend wants it, the int8 MTP layer), "fused" (fused
+    projections, exact drafts) or "native" (the checkpoint layout). ``backend``: a name or a
+    :class:`jaxmtp.pallas.Backend`. ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which
+    ids does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
+    backend = resolve_backend(backend, cfg, dtype)
+    if layout != "native":
+        ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
+        params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
+                                draft_head_bits=draft_head_bits, backend=backend,
+                                quantize_mtp_layer=quantize_mtp_layer)
+    jax.block_until_ready(params)
+    return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend)
+
+
+def variant_model(model: Model, spec: str) -> Model:
+    """``model`` under the override ``spec`` (``"name=value,..."``: :class:`jaxmtp.pallas.Backend` fields and kernel
+    policy fields, :func:`jaxmtp.pallas.override_backend`), its params in the layout that backend reads (output
+    projections transposed or not, the MTP layer int8 or not; arrays shared otherwise). Build ``model`` with an exact
+    MTP layer (``random_model(..., quantize_mtp_layer=False)``) to compare variants that differ there: int8 cannot be
+    undone."""
+    m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
+    params = model.params
+    if transposes_outputs(m.backend) != transposes_outputs(model.backend):
+        params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend))  # new dicts
+    if "draft_head" in params and quantizes_mtp(m.backend) != has_quantized_mtp(params):
+        if has_quantized_mtp(params):
+            raise ValueError(f"variant {spec!r} wants an exact MTP layer but the model's is int8: build the model "
+                             "with quantize_mtp_layer=False")
+        params = quantize_mtp(jax.tree.map(lambda a: a, params))
+    return dataclasses.replace(m, params=params)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engines with every slot busy
+# ---------------------------------------------------------------------------------------------------------------
+def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
+    """Make every slot of ``eng`` an active request ``context`` tokens deep (random last token and drafts, KV as
+    allocated), so that the step can be timed without compiling prefill shapes: step cost does not depend on the
+    cache values."""
+    s, k = eng.num_slots, eng.k
+    vocab = eng.cfg.vocab_size
+    rng = np.random.default_rng(seed)
+    ids = jnp.arange(s, dtype=jnp.int32)
+    zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
+    state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
+                       jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32))
+    eng.state = state.replace(length=jnp.full((s,), context, jnp.int32),
+                              last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
+                              drafts=jnp.asarray(rng.integers(0, vocab, (s, k)), jnp.int32),
+                              generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
+
+
+def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:
+    """An engine of ``batch`` slots and k = ``k`` with ``room`` KV rows of headroom past ``context``, every slot busy
+    (:func:`fill_synthetic`)."""
+    eng = Engine(model, num_slots=batch, max_context=context + room, num_draft_tokens=k,
+                 steps_per_sync=steps_per_sync, check_memory=False)
+    fill_synthetic(eng, context, batch * 10 + k)
+    return eng
+
+
+def timed_loops(eng: Engine, params, n: int) -> list[tuple[float, dict]]:
+    """``n`` device loops of ``eng``, each timed until its outputs are on the host: ``[(seconds, outputs)]``."""
+    res = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.state, out = eng.device_loop()(params, eng.state)
+        out = jax.device_get(out)
+        res.append((time.perf_counter() - t0, out))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------------
+def median_time(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn()``, each waited for."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[float]]:
+    """Step times (ms) of each engine, timed in alternation so that drift within the process (clocks, other tenants)
+    moves every engine alike: ``rounds`` rounds, each timing every engine's ``syncs`` device loops (their median per
+    step). ``params``: one params tree for all engines, or a list of one per engine. Returns ``[engine][round]``."""
+    params = params if isinstance(params, list) else [params] * len(engines)
+    times: list[list[float]] = [[] for _ in engines]
+    for _ in range(rounds):
+        for i, (eng, p) in enumerate(zip(engines, params)):
+            ts = [dt for dt, _ in timed_loops(eng, p, syncs)]
+            times[i].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
+    return times
+
+
+class CompileClock:
+    """Seconds spent compiling (XLA backend compiles, from ``jax.monitoring`` events) since :meth:`reset`.
+
+    One listener serves every clock; each clock reads the process total relative to its last reset."""
+
+    _total = 0.0
+    _listening = False
+
+    def __init__(self):
+        if not CompileClock._listening:
+            jax.monitoring.register_event_duration_secs_listener(CompileClock._on_event)
+            CompileClock._listening = True
+        self._start = CompileClock._total
+
+    @staticmethod
+    def _on_event(event, duration, **_):
+        if "backend_compile" in event or event.endswith("compile_duration"):
+            CompileClock._total += duration
+
+    def reset(self) -> None:
+        self._start = CompileClock._total
+
+    @property
+    def seconds(self) -> float:
+        return CompileClock._total - self._start
+
+
+def read_trace(trace_dir: str) -> dict:
+    """Events of the newest ``*.trace.json.gz`` under ``trace_dir`` (a ``jax.profiler`` trace), grouped by
+    ``(process name, thread name)``: ``{(process, thread): [event, ...]}``."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e["tid"])] = e["args"]["name"]
+    groups = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            key = (pname.get(e["pid"], str(e["pid"])), tname.get((e["pid"], e["tid"]), str(e["tid"])))
+            groups[key].append(e)
+    return groups
+
+
+def is_device_stream(process: str, thread: str) -> bool:
+    """Whether a trace thread holds device kernels (one per CUDA stream), not the derived "XLA Ops" lines."""
+    p, t = process.lower(), thread.lower()
+    return ("gpu" in p or "device" in p) and "stream" in t
+
+
+def covered_time(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
+    total, end = 0.0, -float("inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def hlo_sources(text: str, depth: int = 4) -> dict[str, str]:
+    """Instruction name -> its innermost ``depth`` source frames (``file:line function < caller ...``), read from
+    the optimised HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables and each instruction's
+    ``stack_frame_id``. A frame's printed ``parent_frame_id`` is the parent's number + 1 (0: none)."""
+    tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s in tables:
+            section = s
+            continue
+        m = re.match(r"^(\d+) (.*)$", s) if section else None
+        if not m:
+            section = None
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        if section in ("FileNames", "FunctionNames"):
+            tables[section][i] = rest.strip('"')
+        else:
+            tables[section][i] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
+    files, funcs, locs, frames = (tables[k] for k in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"))
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
+        fid, chain, seen = int(m.group(2)), [], set()
+        while fid in frames and fid not in seen and len(chain) < depth:
+            seen.add(fid)
+            loc = locs[frames[fid]["file_location_id"]]
+            chain.append(f"{os.path.basename(files[loc['file_name_id']])}:{loc['line']} "
+                         f"{funcs[loc['function_name_id']].split('.')[-1]}")
+            fid = frames[fid]["parent_frame_id"] - 1
+        out.setdefault(m.group(1), " < ".join(chain))
+    return out
+
+
+def device_seconds(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 << 20) -> float:
+    """Device time of one call of ``fn(*args)`` from a profiler trace: kernel durations, not host wall clock.
+
+    Jits ``calls`` chained calls (``chain(args, previous_output) -> next args``, the output passed through an
+    optimization barrier so that calls cannot merge; the inputs rotate over copies of at least ``min_set_bytes`` in
+    all, so that weights come from HBM, not L2), runs it once to compile, then once under ``jax.profiler``, and
+    returns the union of the device's kernel intervals over ``calls``. Launch gaps are excluded; the chain op is
+    included. Without device streams (a CPU) it returns wall time over ``calls``."""
+    set_bytes = sum(a.size * a.dtype.itemsize for a in args if a is not None)
+    n_sets = max(1, min(calls, -(-min_set_bytes // max(set_bytes, 1))))
+    sets = [tuple(args)] + [tuple(None if a is None else jnp.copy(a) for a in args) for _ in range(n_sets - 1)]
+
+    @jax.jit
+    def loop(all_sets):
+        out = fn(*all_sets[0])
+        for i in range(1, calls):
+            out = fn(*chain(all_sets[i % len(all_sets)], jax.lax.optimization_barrier(out)))
+        return out
+
+    jax.block_until_ready(loop(sets))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(sets))
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        groups = read_trace(d)
+    kernels = [e for (p, t), evs in groups.items() if is_device_stream(p, t) for e in evs]
+    if not kernels:
+        return wall / calls
+    return covered_time((e["ts"], e["ts"] + e["dur"]) for e in kernels) * 1e-6 / calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# roofline
+# ---------------------------------------------------------------------------------------------------------------
+def hbm_bandwidth() -> float:
+    """Bytes/s (read + written) of 20 chained elementwise passes over 1 GiB of float32 (16 MiB on a CPU) in one
+    jitted loop: the memory roofline's bandwidth."""
+    n = 1 << 28 if jax.default_backend() != "cpu" else 1 << 22
+    passes = 20
+    x = jnp.full((n,), 1.5, jnp.float32)
+
+    @jax.jit
+    def f(a):
+        return jax.lax.fori_loop(0, passes, lambda i, v: jax.lax.optimization_barrier(v * 1.0001), a)
+
+    jax.block_until_ready(f(x))
+    t = median_time(lambda: f(x), 5)
+    return passes * 2 * 4 * n / t
+
+
+def draft_head_bytes(params) -> int | None:
+    """Bytes of the serving layout's draft head (int8 / int4 and / or a hot vocabulary), None without one (the drafts
+    read the LM head)."""
+    if "draft_head" not in params:
+        return None
+    return weight_bytes({name: a for name, a in params["draft_head"].items() if name != "ids"})
+
+
+def mtp_bytes(params) -> int | None:
+    """Bytes of the MTP head's weights as stored (int8 after :func:`jaxmtp.param_layout.quantize_mtp`), None
+    without one."""
+    return weight_bytes(params["mtp"]) if "mtp" in params else None
+
+
+def step_bytes(cfg: Qwen35Config, batch: int, k: int, context: int, dtype_bytes: int = 2,
+               head_bytes: int | None = None, mtp_stored: int | None = None) -> dict:
+    """Bytes one decode step of ``batch`` slots ``context`` tokens deep must move at least: ``{"weights", "kv",
+    "gdn_state", "total"}``: the weights it touches, the KV it reads, the GDN state it reads and writes. With k > 0
+    the k drafts each read the draft head (``head_bytes``, :func:`draft_head_bytes`; None: the LM head) and the MTP
+    layer (``mtp_stored``, :func:`mtp_bytes`; None: bfloat16), besides the verify's own reads."""
+    leaves = [(jax.tree_util.keystr(p), int(np.prod(s.shape)) * s.dtype.itemsize)
+              for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16))]
+
+    def touched(mtp: bool, tokens: int) -> float:
+        """Bytes of the main model's (or the MTP head's) weights that ``tokens`` tokens read."""
+        total = 0.0
+        for name, nbytes in leaves:
+            if ("'mtp'" in name) != mtp:
+                continue
+            if "embed_tokens" in name and not cfg.tie_word_embeddings:
+                nbytes = tokens * cfg.hidden_size * dtype_bytes  # gathered rows only
+            elif "experts" in name:  # routed experts: expected distinct experts hit by the tokens
+                e, top = cfg.num_experts, cfg.num_experts_per_tok
+                nbytes = nbytes * (1 - (1 - top / e) ** tokens)
+            total += nbytes
+        return total
+
+    weights = touched(False, batch * (k + 1))
+    if k > 0:  # each draft reads the draft head; the window's pass and k - 1 recursive ones read the MTP layer
+        head = head_bytes if head_bytes is not None else cfg.vocab_size * cfg.hidden_size * dtype_bytes
+        full = sum(nbytes for name, nbytes in leaves if "'mtp'" in name)
+        # int8 MTP weights: the stored share of bf16 bytes, applied to every MTP leaf (an MoE MTP layer's routed
+        # experts stay bf16, so there it undercounts them)
+        stored = (mtp_stored / full) if mtp_stored is not None and full else 1.0
+        # (the window's pass runs the MLP on the accepted row only, so every pass touches the routed experts of
+        # `batch` tokens)
+        weights += k * head + stored * k * touched(True, batch)
+    weights = int(weights)
+    n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    kv = batch * n_attn * 2 * cfg.num_key_value_heads * context * cfg.head_dim * dtype_bytes
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    gdn = batch * n_gdn * state * 2  # read + write (a verify commits its accepted prefix: still one state out)
+    return {"weights": weights, "kv": kv, "gdn_state": gdn, "total": weights + kv + gdn}
+
+
+def speedup_bound(step: dict, plain: dict, bw: float) -> dict:
+    """What the bytes allow a k-step (``step``, a :func:`step_bytes`-carrying result with ``k`` and ``step_ms``)
+    against the plain step of the same batch: ``step_ratio_at_roofline`` (its bytes over the plain step's: the cost
+    ratio if both ran at the roofline) and ``tokens_ratio_bound`` (output tokens/s over plain at the published AL if
+    the step cost the measured plain step plus its extra bytes at bandwidth ``bw``, and nothing else)."""
+    extra_s = max(step["bytes_needed"]["total"] - plain["bytes_needed"]["total"], 0) / bw
+    plain_s = plain["step_ms"] / 1e3
+    return {"step_ratio_at_roofline": step["bytes_needed"]["total"] / plain["bytes_needed"]["total"],
+            "tokens_ratio_bound": PUBLISHED_AL[step["k"]] * plain_s / (plain_s + extra_s)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------------------------
+def run_metadata(argv: list[str] | None = None) -> dict:
+    """What a result file records about its run: date, device, platform, jax and python versions, XLA_FLAGS and the
+    command line (``argv``, default ``sys.argv``)."""
+    argv = sys.argv if argv is None else argv
+    dev = jax.devices()[0]
+    return {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
+            "platform": dev.platform, "jax": jax.__version__, "python": platform.python_version(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "command": " ".join([os.path.basename(argv[0]) if argv else ""] + list(argv[1:]))}
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write ``result`` to ``path`` (indented; values JSON cannot hold are written as their ``str``), through a
+    temporary file so that a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)
