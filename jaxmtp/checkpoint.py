@@ -17,6 +17,11 @@ Native format (``convert(src, dst)``)::
     dst/jaxmtp.json      format version, dtype, config overrides, source
     dst/params/          orbax-checkpoint of the params pytree
     dst/config.json, tokenizer and generation files copied from the source
+
+``convert`` checks the side files first (JSON files must parse, ``tokenizer.json`` must load: an error names the
+file), writes everything into a fresh directory beside ``dst`` and renames it into place, replacing an earlier
+native checkpoint there whole (never another kind of directory). Only side files with the suffixes in
+:data:`SIDE_FILE_SUFFIXES` are copied (no code, no weights in other formats).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -42,7 +48,8 @@ from jaxmtp.safetensors_io import SafetensorsFile
 
 NATIVE_MARKER = "jaxmtp.json"
 FORMAT_VERSION = 1
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+SIDE_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")  # config, tokenizer, templates, vocab
+_NOT_SIDE_FILES = ("model.safetensors.index.json", NATIVE_MARKER)
 
 
 class CheckpointError(ValueError):
@@ -335,15 +342,34 @@ def is_native(path: str) -> bool:
     return os.path.isfile(os.path.join(path, NATIVE_MARKER))
 
 
+def side_files(src: str) -> list[str]:
+    """Names of the files ``convert`` copies from ``src``: config, tokenizer, chat template, generation config."""
+    return [f for f in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, f))
+            and f.endswith(SIDE_FILE_SUFFIXES) and f not in _NOT_SIDE_FILES and not f.startswith(".")]
+
+
+def check_side_files(src: str) -> None:
+    """Raise CheckpointError naming the first side file of ``src`` that does not parse (JSON, the tokenizer)."""
+    for f in side_files(src):
+        path = os.path.join(src, f)
+        if f.endswith(".json"):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    json.load(fh)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        if f == "tokenizer.json":
+            from tokenizers import Tokenizer
+
+            try:
+                Tokenizer.from_file(path)
+            except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+                raise CheckpointError(f"{path} is not a tokenizer the tokenizers library can load: {e}") from None
+
+
 def _copy_side_files(src: str, dst: str) -> None:
-    for f in sorted(os.listdir(src)):
-        p = os.path.join(src, f)
-        if (
-            os.path.isfile(p)
-            and not f.endswith(_WEIGHT_SUFFIXES)
-            and f not in ("model.safetensors.index.json", NATIVE_MARKER)
-        ):
-            shutil.copy2(p, os.path.join(dst, f))
+    for f in side_files(src):
+        shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
 
 
 def save_native(params, cfg: Qwen35Config, dst: str, *, source_dir: str | None = None, source: str = "") -> None:
@@ -396,12 +422,52 @@ def cast_params(params, dtype):
     return jax.tree_util.tree_map(lambda x: x if x.dtype == jnp.float32 and x.ndim <= 1 else x.astype(dtype), params)
 
 
+def _check_destination(dst: str) -> None:
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"the output {dst!r} exists and is not a directory")
+    if os.path.isdir(dst) and os.listdir(dst) and not is_native(dst):
+        raise CheckpointError(f"the output directory {dst!r} is not empty and holds no jaxmtp checkpoint "
+                              f"({NATIVE_MARKER}): choose a new directory (an earlier conversion is replaced whole)")
+
+
+def _replace_dir(new: str, dst: str) -> None:
+    """Move the finished directory ``new`` to ``dst``, replacing what was there as a whole."""
+    if not os.path.exists(dst):
+        os.rename(new, dst)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+    os.rmdir(old)
+    os.rename(dst, old)
+    os.rename(new, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def convert(src: str, dst: str, dtype="bfloat16", progress: bool = True) -> dict:
-    """Convert an HF checkpoint directory to the native format. Returns a small report (time, tensors, bytes)."""
+    """Convert an HF checkpoint directory to the native format. Returns a small report (time, tensors, bytes).
+
+    Raises CheckpointError (naming the file or tensor) for a broken checkpoint or side file, and for a ``dst`` that
+    is neither absent, empty nor an earlier native checkpoint; ``dst`` is only touched once everything is written."""
     t0 = time.perf_counter()
+    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    if not os.path.isdir(src):
+        raise CheckpointError(f"the source {src!r} is not a directory")
+    _check_destination(dst)
+    Qwen35Config.from_pretrained(src)  # a config error before anything else is read
+    check_side_files(src)
     params, cfg = load_hf_params(src, dtype=jnp.dtype(dtype), progress=progress)
     t_read = time.perf_counter() - t0
-    save_native(params, cfg, dst, source_dir=src, source=os.path.abspath(src))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=os.path.dirname(dst))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+    try:
+        save_native(params, cfg, tmp, source_dir=src, source=os.path.abspath(src))
+        _check_destination(dst)  # still safe to replace
+        _replace_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     return {"read_s": t_read, "total_s": time.perf_counter() - t0, "bytes": int(n_bytes),
             "params": int(sum(x.size for x in jax.tree_util.tree_leaves(params)))}

@@ -24,6 +24,61 @@ class ConfigError(ValueError):
     """A config.json that jaxmtp cannot run faithfully."""
 
 
+# Settings that change the computation and that jaxmtp does not implement (set and not null/false: an error).
+_UNSUPPORTED_IF_SET = {
+    "use_sliding_window": "jaxmtp's attention is always full",
+    "dual_chunk_attention_config": "jaxmtp's attention is always full",
+    "attn_logit_softcapping": "no logit soft-capping in Qwen3.5",
+    "final_logit_softcapping": "no logit soft-capping in Qwen3.5",
+    "mlp_bias": "Qwen3.5 MLPs have no biases",
+}
+_ROPE_DICTS = ("rope_parameters", "rope_scaling")
+_ROPE_MATH_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "factor")
+
+
+def _rope_dicts(section: Mapping[str, Any], where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """Every RoPE parameter dict of one config section, with its name (per-layer-type nested dicts unrolled)."""
+    out = []
+    for key in _ROPE_DICTS:
+        d = section.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{where}{key} must be an object, got {d!r}")
+        nested = {k: v for k, v in d.items() if isinstance(v, Mapping)}
+        out += [(f"{where}{key}.{k}", v) for k, v in nested.items()] if nested else [(f"{where}{key}", d)]
+    return out
+
+
+def _check_rope_types(section: Mapping[str, Any], where: str = "") -> None:
+    for name, d in _rope_dicts(section, where):
+        for key in ("rope_type", "type"):
+            v = d.get(key)
+            if v not in (None, "default"):
+                raise ConfigError(
+                    f"unsupported RoPE scaling type {v!r} ({name}.{key}): jaxmtp implements only 'default' RoPE "
+                    "(remove the rope scaling entry or use a context within max_position_embeddings)")
+
+
+def _rope_parameters(t: Mapping[str, Any]) -> dict:
+    """The RoPE parameters transformers uses for text section ``t``: a legacy ``rope_scaling`` replaces
+    ``rope_parameters``. Raises ConfigError for any scaling type but 'default' (in either spelling, nested per layer
+    type or not), for per-layer-type parameters that differ, and for two spellings that disagree."""
+    _check_rope_types(t)
+    dicts = _rope_dicts(t, "")
+
+    def math(d):  # what changes the rotation (types are 'default' here; numbers compared as floats)
+        num = lambda v: [num(x) for x in v] if isinstance(v, (list, tuple)) else float(v)  # noqa: E731
+        return {k: num(d[k]) for k in _ROPE_MATH_KEYS[2:] if d.get(k) is not None}
+
+    distinct = {json.dumps(math(d), sort_keys=True) for _, d in dicts}
+    if len(distinct) > 1:
+        raise ConfigError(
+            "the config's RoPE parameters disagree (" + "; ".join(f"{n}={dict(d)}" for n, d in dicts) + "): "
+            "keep one rope_parameters entry")
+    return dict(dicts[0][1]) if dicts else {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen35Config:
     """Text-model configuration of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint.
@@ -156,6 +211,7 @@ class Qwen35Config:
     def from_hf(cls, hf: Mapping[str, Any]) -> "Qwen35Config":
         """Build from a parsed HF ``config.json`` (top level; ``text_config`` is read for multimodal types)."""
         model_type = hf.get("model_type")
+        _check_rope_types(hf)  # for multimodal types, a scaling outside text_config is refused too
         if model_type in _MULTIMODAL_TYPES:
             family = _MULTIMODAL_TYPES[model_type]
             text = dict(hf.get("text_config") or {})
@@ -194,16 +250,10 @@ class Qwen35Config:
         if t.get("mamba_ssm_dtype", "float32") not in ("float32", None):
             raise ConfigError(f"mamba_ssm_dtype={t.get('mamba_ssm_dtype')!r}: jaxmtp keeps the GDN state in float32")
 
-        rope = dict(t.get("rope_parameters") or {})
-        legacy = t.get("rope_scaling")
-        if legacy:
-            rope = {**legacy, **rope}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(
-                f"unsupported RoPE scaling type {rope_type!r}: jaxmtp implements only 'default' RoPE "
-                "(remove the rope scaling entry or use a context within max_position_embeddings)"
-            )
+        for key, what in _UNSUPPORTED_IF_SET.items():
+            if t.get(key) not in (None, False, 0, {}):
+                raise ConfigError(f"{key}={t[key]!r} is not supported ({what})")
+        rope = _rope_parameters(t)
         theta = rope.get("rope_theta", t.get("rope_theta", 10_000.0))
         partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
         mrope = rope.get("mrope_section")

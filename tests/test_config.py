@@ -79,3 +79,56 @@ def test_missing_field_and_bad_json(tmp_path):
         Qwen35Config.from_pretrained(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text(json.dumps(QWEN35_27B_TEXT))
     assert Qwen35Config.from_pretrained(tmp_path).num_hidden_layers == 64
+
+
+# ---- RoPE: every spelling of a scaling is refused; what is accepted is what transformers computes -----------------
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+
+
+@pytest.mark.parametrize("change, message", [
+    # a default rope_parameters beside a legacy linear rope_scaling (transformers applies the scaling)
+    ({"rope_parameters": DEFAULT_ROPE, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"'linear' \(rope_scaling.type\)"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     r"'dynamic' \(rope_scaling.rope_type\)"),
+    ({"rope_parameters": {**DEFAULT_ROPE, "rope_type": None, "type": "yarn", "factor": 4.0}},
+     r"'yarn' \(rope_parameters.type\)"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+     r"rope_parameters.full_attention.rope_type"),
+    # both spellings 'default' but different numbers: transformers would take rope_scaling's (theta 10000 here)
+    ({"rope_parameters": DEFAULT_ROPE, "rope_scaling": {"type": "default"}}, "RoPE parameters disagree"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+])
+def test_rope_scaling_in_any_spelling_is_an_error(change, message):
+    with pytest.raises(ConfigError, match=message):
+        Qwen35Config.from_hf({**QWEN35_27B_TEXT, **change})
+
+
+@pytest.mark.parametrize("where", ["text_config", "top level"])
+def test_rope_scaling_of_a_multimodal_config_is_an_error_wherever_it_is(where):
+    scaling = {"rope_scaling": {"type": "linear", "factor": 2.0}}
+    text = {**QWEN35_27B_TEXT, **(scaling if where == "text_config" else {})}
+    hf = {"model_type": "qwen3_5", "text_config": text, **(scaling if where == "top level" else {})}
+    with pytest.raises(ConfigError, match="'linear'"):
+        Qwen35Config.from_hf(hf)
+
+
+@pytest.mark.parametrize("change", [
+    {},
+    {"rope_parameters": None, "rope_theta": 5e6},
+    {"rope_parameters": None, "rope_scaling": {"type": "default", "rope_theta": 5e6}, "rope_theta": 5e6},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+    {"rope_parameters": {**DEFAULT_ROPE, "mrope_section": [11, 11, 10]},
+     "rope_scaling": {"type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                      "mrope_section": [11, 11, 10]}},
+])
+def test_accepted_rope_settings_are_what_transformers_uses(change):
+    """Reference: transformers' own config class resolves the RoPE parameters it computes with."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    hf = {**QWEN35_27B_TEXT, **copy.deepcopy(change)}
+    ours = Qwen35Config.from_hf(copy.deepcopy(hf))
+    theirs = transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items() if k != "model_type"}).rope_parameters
+    assert theirs["rope_type"] == "default"
+    assert ours.rope_theta == theirs["rope_theta"] and ours.partial_rotary_factor == theirs["partial_rotary_factor"]

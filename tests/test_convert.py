@@ -128,3 +128,61 @@ def test_convert_function_reports(checkpoint_factory, tmp_path):
     assert report["params"] > 0 and report["bytes"] > 0
     with pytest.raises(FileNotFoundError):
         jaxmtp.load(tmp_path / "absent")
+
+
+# ---- the output directory and side files -------------------------------------------------------------------------
+def test_converting_again_replaces_the_output_whole(checkpoint_factory, tmp_path, rng):
+    """A second conversion into the same directory leaves nothing of the first: without a tokenizer in the new
+    source, the converted model has none (an old tokenizer.json used to stay and load silently)."""
+    path, hf = checkpoint_factory("dense", hv_ratio=2)
+    out = tmp_path / "native"
+    convert(path, str(out), dtype="float32", progress=False)
+    assert (out / "tokenizer.json").is_file()
+    (out / "stale.json").write_text("{}")
+    src = _copy(path, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(src / f)
+    convert(str(src), str(out), dtype="float32", progress=False)
+    assert sorted(os.listdir(out)) == sorted([f for f in os.listdir(src) if f.endswith(".json")] +
+                                             ["jaxmtp.json", "params"])
+    assert "tokenizer.json" not in os.listdir(out) and "stale.json" not in os.listdir(out)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary directory left
+    model = jaxmtp.load(out, dtype="float32", progress=False)
+    assert model.tokenizer is None
+    ids = rng.integers(0, VOCAB, (1, 7))
+    np.testing.assert_allclose(model.logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_corrupt_side_files_are_errors_naming_them_and_leave_the_output_alone(checkpoint_factory, tmp_path):
+    path, _ = checkpoint_factory("dense", hv_ratio=2)
+    out = tmp_path / "native"
+    for name, content in (("tokenizer.json", '{"version": "1.0", "model": {"type": "Nope"}}'),
+                          ("tokenizer.json", "{truncated"), ("generation_config.json", "[1, 2")):
+        src = _copy(path, tmp_path / f"src-{name}-{len(content)}")
+        (src / name).write_text(content)
+        with pytest.raises(CheckpointError, match=f"{src / name}"):
+            convert(str(src), str(out), progress=False)
+        assert not out.exists()
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "scripts", "convert_hf.py"),
+                           str(src), str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "generation_config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_conversion_copies_only_side_files_and_refuses_foreign_directories(tmp_path):
+    """The embedded default model's package files (__init__.py, __pycache__) are not copied; an output directory
+    that holds something other than a jaxmtp checkpoint is not replaced."""
+    from jaxmtp.default_model import default_model_path
+
+    src = default_model_path()
+    assert os.path.isfile(os.path.join(src, "__init__.py"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="holds no jaxmtp checkpoint"):
+        convert(src, str(foreign), progress=False)
+    assert os.listdir(foreign) == ["notes.txt"]
+    out = tmp_path / "native"
+    convert(src, str(out), progress=False)
+    want = sorted(f for f in os.listdir(src) if f.endswith((".json", ".jinja", ".txt")))
+    assert sorted(os.listdir(out)) == sorted(want + ["jaxmtp.json", "params"])
+    assert "__init__.py" not in os.listdir(out)
