@@ -17,6 +17,35 @@ import sys
 import time
 
 
+DEFAULT_WAIT = 600.0
+
+
+class WaitProgress:
+    """Prints, on stderr, what a server that is not SERVING yet is doing: one line when it changes (or every
+    ``every`` seconds)."""
+
+    def __init__(self, address: str, stream=None, every: float = 10.0):
+        self.address, self.stream, self.every = address, stream or sys.stderr, every
+        self.t0 = time.monotonic()
+        self._last, self._last_t = None, 0.0
+
+    def __call__(self, info) -> None:
+        waited = time.monotonic() - self.t0
+        if info is None:
+            msg = f"waiting for the server at {self.address} to start"
+        else:
+            done, planned = info.get("warmup_done", 0), info.get("warmup_planned", 0)
+            if planned:
+                msg = f"the server is warming up: compiled {done} of {planned} executables"
+            else:
+                msg = "the server is starting its warm-up"
+        now = time.monotonic()
+        if msg != self._last or now - self._last_t >= self.every:
+            self.stream.write(f"[{waited:5.1f} s] {msg}\n")
+            self.stream.flush()
+            self._last, self._last_t = msg, now
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxmtp.client",
                                  description="Stream a generation from a jaxmtp gRPC server.")
@@ -35,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--request-id", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="deadline of the request in seconds")
-    ap.add_argument("--wait", type=float, default=60.0,
-                    help="seconds to wait for the server to be SERVING first (0: do not wait)")
+    ap.add_argument("--wait", type=float, default=DEFAULT_WAIT,
+                    help="seconds to wait for the server to start and warm up (SERVING), showing its warm-up "
+                         f"progress on stderr (default {DEFAULT_WAIT:.0f}: a first start's compile on a small CPU; "
+                         "0: do not wait)")
+    ap.add_argument("--quiet", action="store_true", help="no warm-up progress and no summary on stderr")
     ap.add_argument("--info", action="store_true", help="print model info, server stats and health as JSON, exit")
     ap.add_argument("--no-echo", action="store_true", help="do not print the prompt before the output")
     return ap
@@ -50,7 +82,7 @@ def main(argv=None) -> int:
     with Client(address) as client:
         try:
             if args.wait > 0:
-                client.wait_ready(timeout=args.wait)
+                client.wait_ready(timeout=args.wait, on_progress=None if args.quiet else WaitProgress(address))
             if args.info:
                 print(json.dumps({"model": client.model_info(), "stats": client.stats(), "health": client.health()},
                                  indent=1))
@@ -83,6 +115,9 @@ def main(argv=None) -> int:
             return 1
     c = stream.completion
     wall = time.perf_counter() - t0
+    if args.quiet:
+        print()
+        return 0
     print(f"\n\n[{c.completion_tokens} tokens, finish={c.finish_reason}, prompt {c.prompt_tokens} tokens, "
           f"seed {c.seed}, k={c.spec['k']}, mean acceptance length {c.spec['mean_acceptance_length']:.2f}, "
           f"acceptance per position {[round(a, 2) for a in c.spec['acceptance_per_position']]}, "

@@ -1,11 +1,21 @@
 #!/usr/bin/env python
-"""Engine warm-up time against the number of compile threads, and the step time after it.
+"""Server start-up (``--serve``): time to SERVING on a first and a second start; or an engine's warm-up time against
+the number of compile threads, and the step time after it.
+
+    python scripts/bench_warmup.py --serve --out docs/results/warmup_serve_cpu.json     # the default model's server
+    python scripts/bench_warmup.py --serve --serve-args "--random-model qwen3.5-0.8b --slots 32" --out x.json
+
+``--serve`` starts ``python -m jaxmtp.serve --port 0`` twice with one fresh compilation cache directory (the first
+start compiles, the second loads from the cache) and records for each: seconds from the process start to SERVING,
+the warm-up's executables and their compile times (GetModelInfo), one request's latency right after SERVING, and
+when the background compiles were done. The machine's load average is recorded too: other work on the cores slows
+the compiles.
 
     python scripts/bench_warmup.py --model qwen3.5-4b --slots 8 --k 3 --threads 1 --out warmup.json
 
 Builds a random bf16 model of a released shape and an engine (slot buckets on: every width's greedy and sampling
 loops, every prefill bucket), times ``Engine.warmup(compile_threads=...)``, then fills every slot with a synthetic
-request (``bench_decode.fill_synthetic``) and times the full-width step loop, so that a warm-up whose parallel
+request (``jaxmtp.benchmarking.fill_synthetic``) and times the full-width step loop, so that a warm-up whose parallel
 compiles autotuned worse kernels would show. Run each thread count in its own process (compiled executables are
 cached per process).
 """
@@ -19,21 +29,93 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from jaxmtp import shapes
+from jaxmtp.benchmarking import fill_synthetic, random_model, timed_loops, tiny_config
+from jaxmtp.engine import Engine
 
-from bench_decode import fill_synthetic, random_model, timed_loops  # noqa: E402
-from bench_step_loop import tiny_config  # noqa: E402
-from jaxmtp import shapes  # noqa: E402
-from jaxmtp.engine import Engine  # noqa: E402
+
+def _start_server(cmd: list[str], timeout: float) -> dict:
+    """One server start: seconds to listening and to SERVING, the warm-up (GetModelInfo), a first request, the
+    background compiles' end; then SIGTERM."""
+    import signal
+    import subprocess
+
+    from jaxmtp.serving.client import Client
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"the server did not start: {line!r}\n{proc.stderr.read()[-4000:]}")
+        listening = time.perf_counter() - t0
+        address = line.split()[-1]
+        with Client(address, timeout=timeout) as c:
+            c.wait_ready(timeout=timeout, poll_seconds=0.1, on_progress=lambda info: None)
+            serving = time.perf_counter() - t0
+            info = c.model_info()
+            t = time.perf_counter()
+            prompt = "def fibonacci(n):" if info["has_tokenizer"] else [1, 2, 3]
+            out = c.generate(prompt, max_tokens=32, ignore_eos=True)
+            request = time.perf_counter() - t
+            background = None
+            while time.perf_counter() - t0 < timeout:
+                late = c.model_info()
+                if late["executables_compiled"] >= late["executables_total"]:
+                    background = time.perf_counter() - t0
+                    break
+                time.sleep(0.5)
+        return {"listening_s": listening, "serving_s": serving, "warmup_s": info["warmup_s"],
+                "executables_before_serving": info["warmup_done"], "executables_total": info["executables_total"],
+                "warmup_executables": [x for x in info["executables"] if x["phase"] == "warmup"],
+                "first_request_s": request, "first_request_tokens": out.completion_tokens,
+                "first_request_ttft_s": out.time_to_first_token, "all_compiled_s": background,
+                "executables": late["executables"], "compile_cache_dir": info["compile_cache_dir"],
+                "backend": info["backend"]}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve_main(args) -> int:
+    import shlex
+    import tempfile
+
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxmtp-xla-")
+    cmd = [sys.executable, "-m", "jaxmtp.serve", "--port", "0", "--compile-cache-dir", cache]
+    cmd += shlex.split(args.serve_args)
+    runs = {}
+    for name in ("first", "second"):
+        load = os.getloadavg()
+        runs[name] = {**_start_server(cmd, args.timeout), "load_average_before": load,
+                      "load_average_after": os.getloadavg()}
+        r = runs[name]
+        print(f"{name} start: SERVING after {r['serving_s']:.1f} s ({r['executables_before_serving']} of "
+              f"{r['executables_total']} executables, warm-up {r['warmup_s']:.1f} s), first request "
+              f"{r['first_request_s']:.2f} s, all compiled after {r['all_compiled_s']} s, load {load[0]:.1f}",
+              flush=True)
+    res = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "cpu_count": os.cpu_count(),
+           "command": " ".join(sys.argv), "server_command": " ".join(cmd), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "runs": runs}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve", action="store_true", help="time python -m jaxmtp.serve starts (first, cached)")
+    ap.add_argument("--serve-args", default="", help="--serve: extra server flags")
+    ap.add_argument("--cache-dir", default=None, help="--serve: the compilation cache (default: a fresh one)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="--serve: seconds per start")
     ap.add_argument("--model", default="qwen3.5-4b")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--k", type=int, default=3)
@@ -43,6 +125,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small shape (CPU smoke test of the script)")
     ap.add_argument("--out", default="warmup.json")
     args = ap.parse_args(argv)
+    if args.serve:
+        return serve_main(args)
+    from jaxmtp.compile_cache import enable_compile_cache
+
+    enable_compile_cache(enabled=False)  # this mode times compiles: none may come from the cache
     model = random_model(tiny_config(args.model) if args.tiny else shapes.config(args.model), jnp.bfloat16, "auto")
     steps = 8
     eng = Engine(model, num_slots=args.slots, max_context=args.context + steps * (args.syncs + 2) * (args.k + 1) + 16,

@@ -26,6 +26,42 @@ class EngineConfigError(ValueError):
     """Engine settings that the model or the device cannot hold."""
 
 
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+_MEM_FRACTION_ENVS = (MEM_FRACTION_ENV, "XLA_CLIENT_MEM_FRACTION")
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+def backend_initialized() -> bool:
+    """Whether JAX has created a backend client already (its allocator settings are fixed from then on)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(getattr(xla_bridge, "_backends", None))
+    except Exception:  # noqa: BLE001 - a JAX without this private table: assume not (the setting may then apply)
+        return False
+
+
+def set_memory_fraction(fraction: float | None = None) -> float | None:
+    """Have JAX's GPU allocator take ``fraction`` (default :data:`DEFAULT_MEMORY_FRACTION`; JAX's own default is
+    0.75) of each device's memory, as vLLM's ``--gpu-memory-utilization``: sets ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    unless the user set it (or ``XLA_CLIENT_MEM_FRACTION``), whose value then applies. It must run before JAX creates
+    its backend; after that it changes nothing. No effect on a CPU. Returns the fraction in force (None: JAX's,
+    because a backend was up already)."""
+    fraction = DEFAULT_MEMORY_FRACTION if fraction is None else float(fraction)
+    if not 0.0 < fraction <= 1.0:
+        raise EngineConfigError(f"the memory fraction must be in (0, 1], got {fraction}")
+    for name in _MEM_FRACTION_ENVS:
+        if os.environ.get(name):
+            try:
+                return float(os.environ[name])
+            except ValueError:
+                return None
+    if backend_initialized():
+        return None
+    os.environ[MEM_FRACTION_ENV] = f"{fraction:.4g}"
+    return fraction
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     weights: int
@@ -112,12 +148,18 @@ def device_memory_bytes(device=None) -> int | None:
     return None
 
 
+def most_slots(plan: MemoryPlan, available: int, headroom: float = 0.9) -> int:
+    """The most slots of ``plan``'s context that fit in ``headroom`` of ``available`` bytes beside the weights."""
+    return max(0, int((headroom * available - plan.weights) // max(plan.per_slot, 1)))
+
+
 def check_fits(plan: MemoryPlan, available: int | None, headroom: float = 0.9) -> None:
-    """Raise :class:`EngineConfigError` when the plan does not fit in ``headroom`` of the device memory."""
+    """Raise :class:`EngineConfigError` when the plan does not fit in ``headroom`` of the device memory (on a GPU:
+    of what JAX's allocator holds, :func:`set_memory_fraction` of the device)."""
     if available is None:
         return
     if plan.total > headroom * available:
-        most = max(0, int((headroom * available - plan.weights) // max(plan.per_slot, 1)))
+        most = most_slots(plan, available, headroom)
         raise EngineConfigError(
             f"{plan.slots} slots x {plan.capacity} KV rows need {plan.total / 2**30:.2f} GiB but the device has "
             f"{available / 2**30:.2f} GiB ({headroom:.0%} usable): at most {most} slots fit at this context "
@@ -125,4 +167,5 @@ def check_fits(plan: MemoryPlan, available: int | None, headroom: float = 0.9) -
         )
 
 
-__all__ = ["EngineConfigError", "MemoryPlan", "check_fits", "device_memory_bytes", "memory_plan", "param_count"]
+__all__ = ["DEFAULT_MEMORY_FRACTION", "EngineConfigError", "MemoryPlan", "check_fits", "device_memory_bytes",
+           "memory_plan", "most_slots", "param_count", "set_memory_fraction"]

@@ -1,0 +1,204 @@
+"""The executables an :class:`jaxmtp.engine.Engine` compiles, and compiling them: before serving, or in the background.
+
+An engine's device functions come in shapes (keys):
+
+* ``("prefill", rows, chunk)``: a prompt chunk for ``rows`` prompts (rows 1, 2, 4 .. max_prefill_batch; chunk
+  16, 64, 256 .. prefill_chunk);
+* ``("step", width, sampling)``: the loop of ``steps_per_sync`` speculative steps over slots ``0 .. width-1`` (each
+  slot bucket), greedy only or with sampling.
+
+:func:`serving_keys` is the smallest set that serves every request: the sampling loop over all slots (it decodes
+greedy requests too, and any busy prefix of slots) and a one-row prefill of the largest chunk (prompts split at the
+same boundaries as with every bucket). With ``Engine.warmup(background=True)`` only those compile before the call
+returns; a daemon thread compiles the rest (:func:`background_order`), and until one is ready the engine runs a
+compiled substitute (:meth:`Engine._loop_for`, :meth:`Engine._prefill_shape`): same tokens, more padding.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxmtp.compile_cache import CompileCounter
+from jaxmtp.progress import Progress
+
+log = logging.getLogger("jaxmtp.engine")
+
+BEFORE_SERVING, BACKGROUND = "warmup", "background"
+
+
+def prefill_key(rows: int, chunk: int) -> tuple:
+    return ("prefill", rows, chunk)
+
+
+def step_key(width: int, sampling: bool) -> tuple:
+    return ("step", width, sampling)
+
+
+def key_name(key: tuple) -> str:
+    if key[0] == "prefill":
+        return f"prefill[{key[1]}x{key[2]}]"
+    return f"step[{key[1]}]" + ("+sampling" if key[2] else "")
+
+
+@dataclasses.dataclass
+class Executable:
+    """One compiled shape: ``fn(params, state, *args())`` is a dummy call of it (no effect on any slot)."""
+
+    key: tuple
+    fn: Callable
+    args: Callable[[], tuple]
+    seconds: float | None = None  # lowering + compile (or cache load); None until ready
+    phase: str | None = None  # BEFORE_SERVING or BACKGROUND
+    cache_hits: int = 0  # executables of this compile that the persistent cache supplied
+    compiles: int = 0  # executables of this compile (XLA compiles + cache loads)
+
+    @property
+    def name(self) -> str:
+        return key_name(self.key)
+
+    @property
+    def ready(self) -> bool:
+        return self.seconds is not None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "seconds": self.seconds, "phase": self.phase, "cache_hits": self.cache_hits,
+                "compiles": self.compiles}
+
+
+def prefill_args(rows: int, chunk: int, num_slots: int) -> Callable[[], tuple]:
+    """A prefill call that touches no slot (slot ids out of range, positions -1), as numpy -> device arrays the way
+    the engine passes them (so the compiled executable is the one its calls look up)."""
+    import jax.numpy as jnp
+
+    def make():
+        z = np.zeros((rows, chunk), np.int32)
+        return tuple(map(jnp.asarray, (np.full((rows,), num_slots, np.int32), z, z - 1, z, np.zeros((rows,), bool))))
+
+    return make
+
+
+def serving_keys(slot_buckets: list[int], prefill_chunk: int) -> list[tuple]:
+    """The executables compiled before an engine serves: every request can run on them."""
+    return [prefill_key(1, prefill_chunk), step_key(slot_buckets[-1], True)]
+
+
+def background_order(keys, slot_buckets: list[int]) -> list[tuple]:
+    """The rest, most useful first: greedy and sampling loops of the narrowest buckets (one busy request is the
+    common case), short one-row prefills, then wider loops and batched prefills."""
+
+    def rank(key):
+        if key[0] == "step":
+            return (slot_buckets.index(key[1]), 0, key[2])
+        return (key[1].bit_length() - 1, 1, key[2])
+
+    return sorted(keys, key=rank)
+
+
+def compile_one(ex: Executable, params, state, phase: str) -> Executable:
+    """Lower and compile ``ex`` (the call's in-memory cache then holds it); records seconds and cache use."""
+    t0 = time.perf_counter()
+    with CompileCounter(this_thread=True) as c:
+        ex.fn.lower(params, state, *ex.args()).compile()
+    ex.compiles, ex.cache_hits = c.compiles, c.cache_hits
+    ex.phase = phase
+    ex.seconds = time.perf_counter() - t0
+    log.info("compiled %s in %.2f s (%s%s)", ex.name, ex.seconds, phase,
+             ", from the compilation cache" if c.cache_hits and c.cache_hits >= c.requests else "")
+    return ex
+
+
+def compile_all(executables: list[Executable], params, state, *, threads: int, progress: bool,
+                desc: str = "compiling") -> list[BaseException]:
+    """Compile ``executables`` ``threads`` at a time (each is lowered in its thread; XLA compiles in parallel),
+    drawing a progress bar on stderr. Returns the errors (the caller decides what to do: a failed one compiles at
+    its first call)."""
+    errors: list[BaseException] = []
+    if not executables:
+        return errors
+    with Progress(len(executables), desc, unit=" executables", enabled=progress) as bar:
+        lock = threading.Lock()
+        bar.update(0, note=", ".join(ex.name for ex in executables))
+
+        def work(ex):
+            compile_one(ex, params, state, BEFORE_SERVING)
+            with lock:
+                bar.update(1, note=ex.name)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for fut in [pool.submit(work, ex) for ex in executables]:
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    errors.append(e)
+    return errors
+
+
+class BackgroundCompiler:
+    """A daemon thread that compiles ``executables`` one at a time, marking each ready (``on_ready(key)``) once a
+    call finds it compiled. Each compile starts only once ``idle()`` (the engine has no request) has held for
+    ``settle_seconds``, so that it does not take the cores from requests, which run on compiled substitutes
+    meanwhile. ``stop()`` ends it after the compile in progress."""
+
+    def __init__(self, executables: list[Executable], get_args: Callable[[], tuple[Any, Any]],
+                 on_ready: Callable[[tuple], None], idle: Callable[[], bool] = lambda: True,
+                 poll_seconds: float = 0.2, settle_seconds: float = 2.0):
+        self.pending = list(executables)
+        self.total = len(executables)
+        self.done = 0
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._get_args, self._on_ready, self._idle, self._poll = get_args, on_ready, idle, poll_seconds
+        self._settle = settle_seconds
+        self._stop = threading.Event()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="jaxmtp-compile", daemon=True)
+
+    def start(self) -> "BackgroundCompiler":
+        if self.pending:
+            self.thread.start()
+        else:
+            self.finished.set()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:  # lowest CPU priority for this thread (Linux: per thread), so that running requests come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            idle_since = None
+            while self.pending and not self._stop.is_set():
+                now = time.monotonic()
+                if not self._idle():
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                if idle_since is None or now - idle_since < self._settle:
+                    self._stop.wait(self._poll)
+                    continue
+                ex = self.pending.pop(0)
+                params, state = self._get_args()  # shapes only: lowering reads no buffer
+                compile_one(ex, params, state, BACKGROUND)
+                self.done += 1
+                self._on_ready(ex.key)
+            self.seconds = time.perf_counter() - t0
+            if self.done:
+                log.info("compiled %d executable(s) in the background in %.1f s", self.done, self.seconds)
+        except Exception as e:  # noqa: BLE001 - the engine keeps running on what is compiled
+            self.error = e
+            log.warning("background compile stopped (%s: %s); the rest compile at first use", type(e).__name__,
+                        str(e)[:200])
+        finally:
+            self.finished.set()
