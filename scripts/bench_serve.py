@@ -12,12 +12,19 @@
     # Any running server:
     python scripts/bench_serve.py --address 127.0.0.1:50051
 
+    # The OpenAI-compatible HTTP API instead of gRPC (same server, same engine; docs/serving.md):
+    python scripts/bench_serve.py --protocol http
+    python scripts/bench_serve.py --protocol http --address 127.0.0.1:50051 --http-address 127.0.0.1:8000
+
 At each concurrency level C (default 1, 8, 32), C asynchronous clients send ``--requests`` requests in total (default
 4 x C), each client one request at a time. Per request: TTFT (send to the first chunk with tokens), TPOT ((last chunk
 - first chunk) / (output tokens - 1), as vLLM's benchmark; left out for a request whose tokens all came in one chunk),
 latency (send to the final message). Per level: p50/p90/p99/mean of each, output tokens per second over the level's
 wall time, requests per second, and the server's speculation counters over the level (mean acceptance length,
-acceptance per draft position). ``ignore_eos`` is on by default so that every request produces exactly
+acceptance per draft position). ``--protocol http`` sends the same requests as streamed ``POST /v1/completions``
+(server-sent events, ``stream_options.continuous_usage_stats`` for the token counts) over one keep-alive HTTP/1.1
+connection per client, read by a minimal asyncio client so that client-side parsing costs about what gRPC's does;
+the counters still come from the gRPC stats call. ``ignore_eos`` is on by default so that every request produces exactly
 ``--max-tokens`` tokens. The started server's logs (configuration, memory plan, warm-up time) go to stderr.
 
 Prompts: token ids drawn uniformly from the vocabulary (``--prompt-source random``, the default for models without a
@@ -50,7 +57,13 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     g = ap.add_argument_group("target (default: start `python -m jaxmtp.serve` with the embedded default model)")
-    g.add_argument("--address", default=None, help="benchmark a running server at host:port")
+    g.add_argument("--address", default=None, help="benchmark a running server at host:port (its gRPC port)")
+    g.add_argument("--protocol", choices=["grpc", "http"], nargs="+", default=["grpc"],
+                   help="send the requests over gRPC (Generate) or the OpenAI-compatible HTTP API (/v1/completions); "
+                        "both: each client alternates them request by request (the same prompt over each in turn), "
+                        "and every level reports each protocol's latencies")
+    g.add_argument("--http-address", default=None,
+                   help="with --address and --protocol http: the running server's HTTP host:port")
     g.add_argument("--model", default=None, help="checkpoint directory for the server this script starts")
     g.add_argument("--random-model", default=None, help="random weights of a preset (qwen3.5-0.8b, tiny)")
     g.add_argument("--slots", type=int, default=32)
@@ -82,7 +95,7 @@ def parse_args(argv):
 # ---- the server --------------------------------------------------------------------------------------------------
 class StartedServer:
     def __init__(self, args):
-        cmd = [sys.executable, "-m", "jaxmtp.serve", "--port", "0", "--slots", str(args.slots),
+        cmd = [sys.executable, "-m", "jaxmtp.serve", "--port", "0", "--http-port", "0", "--slots", str(args.slots),
                "--dtype", args.dtype, "--max-queue", str(max(1024, 4 * max(args.concurrency)))]
         if args.model:
             cmd += ["--model", args.model]
@@ -109,6 +122,11 @@ class StartedServer:
             self.proc.wait(30)
             raise SystemExit(f"the server did not start (exit code {self.proc.returncode}): {line!r}")
         self.address = line.split()[-1]
+        line = self.proc.stdout.readline()
+        if not line.startswith("jaxmtp.serve http listening on "):
+            self.stop()
+            raise SystemExit(f"the server's HTTP API did not start: {line!r}")
+        self.http_address = line.split()[-1]
 
     def stop(self):
         if self.proc.poll() is None:
@@ -177,9 +195,88 @@ async def one_request(stub, pb, prompt, args, timeout):
             "latency": end - t0, "tokens": n, "prompt_tokens": done.usage.prompt_tokens}
 
 
-async def run_level(address, pb, prompts, concurrency, total, args):
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection that posts JSON and reads server-sent events (chunked transfer encoding)."""
+
+    def __init__(self, address):
+        self.host, port = address.rsplit(":", 1)
+        self.host = self.host.strip("[]")
+        self.port = int(port)
+        self.reader = self.writer = None
+
+    async def events(self, path, body):
+        """Yields each event's data (parsed JSON) until ``[DONE]``; raises on an HTTP error."""
+        data = json.dumps(body).encode()
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+        for attempt in (0, 1):  # the server closes a keep-alive connection idle for 5 s: then reconnect once
+            if self.writer is None or self.reader.at_eof():
+                await self.close()
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(request)
+            line = await self.reader.readline()
+            if line or attempt:
+                break
+            self.reader = None
+            await self.close()
+        status = int(line.split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if "chunked" not in headers.get("transfer-encoding", ""):
+            payload = await self.reader.readexactly(int(headers.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {status}: {payload.decode(errors='replace')}")
+        buf = b""
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            chunk = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buf += chunk[:-2]
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b"data: "):
+                    if event == b"data: [DONE]":
+                        continue
+                    yield json.loads(event[6:])
+
+    async def close(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+async def one_request_http(conn, model, prompt, args):
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "ignore_eos": not args.no_ignore_eos, "seed": args.seed, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    n = chunks = 0
+    usage = None
+    async for event in conn.events("/v1/completions", body):
+        if "error" in event:
+            raise RuntimeError(f"{event['error']['type']}: {event['error']['message']}")
+        usage = event.get("usage") or usage
+        if event["choices"] and usage and usage["completion_tokens"] > n:
+            last = time.perf_counter()
+            first = first or last
+            n = usage["completion_tokens"]
+            chunks += 1
+    end = time.perf_counter()
+    if usage is None:
+        raise RuntimeError("no usage in the stream")
+    return {"ttft": (first - t0) if first else None, "tpot": ((last - first) / (n - 1)) if chunks > 1 else None,
+            "latency": end - t0, "tokens": n, "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def run_level(address, http_address, model, pb, prompts, concurrency, total, args):
+    """``total`` requests from ``concurrency`` clients; request i goes over ``args.protocol[i % n]`` with prompt
+    ``i // n``, so that with both protocols consecutive requests differ only in the protocol."""
     import grpc
 
+    protocols = args.protocol
     results, errors = [], []
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
                                                            ("grpc.max_send_message_length", 64 << 20)]) as ch:
@@ -187,11 +284,25 @@ async def run_level(address, pb, prompts, concurrency, total, args):
         counter = iter(range(total))
 
         async def worker():
-            for i in counter:
-                try:
-                    results.append(await one_request(stub, pb, prompts[i % len(prompts)], args, args.timeout))
-                except Exception as e:  # noqa: BLE001 - counted and reported
-                    errors.append(repr(e))
+            conn = HttpConnection(http_address) if "http" in protocols else None
+            try:
+                for i in counter:
+                    proto = protocols[i % len(protocols)]
+                    prompt = prompts[(i // len(protocols)) % len(prompts)]
+                    try:
+                        if proto == "grpc":
+                            r = await one_request(stub, pb, prompt, args, args.timeout)
+                        else:
+                            r = await asyncio.wait_for(one_request_http(conn, model, prompt, args), args.timeout)
+                        results.append({**r, "protocol": proto})
+                    except Exception as e:  # noqa: BLE001 - counted and reported
+                        errors.append(f"{proto}: {e!r}")
+                        if proto == "http":
+                            await conn.close()
+                            conn = HttpConnection(http_address)
+            finally:
+                if conn is not None:
+                    await conn.close()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -227,6 +338,11 @@ def table(levels):
                     f"{f(lv['ttft_ms']['p99'])} | {f(lv['tpot_ms']['p50']):>8} {f(lv['tpot_ms']['p90'])} "
                     f"{f(lv['tpot_ms']['p99'])} | {f(lv['latency_ms']['p50']):>8} {f(lv['latency_ms']['p99']):>8} "
                     f"| {lv['spec']['mean_acceptance_length']:4.2f}")
+        for proto, b in lv.get("by_protocol", {}).items():
+            rows.append(f"{'':>4} {b['requests']:>5} {proto:>12} {'':>6} | {f(b['ttft_ms']['p50']):>8} "
+                        f"{f(b['ttft_ms']['p90'])} {f(b['ttft_ms']['p99'])} | {f(b['tpot_ms']['p50']):>8} "
+                        f"{f(b['tpot_ms']['p90'])} {f(b['tpot_ms']['p99'])} | {f(b['latency_ms']['p50']):>8} "
+                        f"{f(b['latency_ms']['p99']):>8} |")
     return "\n".join(rows) + "\n(ms; tok/s = output tokens per second over the level; AL = mean acceptance length)"
 
 
@@ -239,8 +355,16 @@ def main(argv=None) -> int:
     from jaxmtp.serving import protocol as pb
     from jaxmtp.serving.client import Client
 
+    args.protocol = list(dict.fromkeys(args.protocol))
+    if "http" in args.protocol and args.address and not args.http_address:
+        raise SystemExit("--protocol http with --address needs --http-address (the server's HTTP host:port)")
     server = None if args.address else StartedServer(args)
     address = args.address or server.address
+    http_address = args.http_address or (server.http_address if server is not None else None)
+
+    def level(prompts, concurrency, total):
+        return asyncio.run(run_level(address, http_address, info["model_name"], pb, prompts, concurrency, total,
+                                     args))
     try:
         with Client(address, timeout=120) as c:
             c.wait_ready(timeout=args.startup_timeout)
@@ -251,13 +375,12 @@ def main(argv=None) -> int:
                   f"{info['backend']}), {info['num_slots']} slots, k={info['num_draft_tokens']}, "
                   f"context {info['max_context']}; prompts: {source}", file=sys.stderr, flush=True)
             if args.warmup_requests:
-                asyncio.run(run_level(address, pb, prompts, min(args.warmup_requests, info["num_slots"]),
-                                      args.warmup_requests, args))
+                level(prompts, min(args.warmup_requests, info["num_slots"]), args.warmup_requests)
             levels = []
             for conc in args.concurrency:
                 total = args.requests or 4 * conc
                 before = c.stats()
-                results, errors, wall = asyncio.run(run_level(address, pb, prompts, conc, total, args))
+                results, errors, wall = level(prompts, conc, total)
                 after = c.stats()
                 toks = sum(r["tokens"] for r in results)
                 lv = {
@@ -271,6 +394,12 @@ def main(argv=None) -> int:
                     "spec": spec_delta(before["spec"], after["spec"]),
                     "first_errors": errors[:3],
                 }
+                if len(args.protocol) > 1:
+                    lv["by_protocol"] = {p: {"requests": len(rs), "ttft_ms": pct(r["ttft"] for r in rs),
+                                             "tpot_ms": pct(r["tpot"] for r in rs),
+                                             "latency_ms": pct(r["latency"] for r in rs)}
+                                         for p in args.protocol
+                                         for rs in [[r for r in results if r["protocol"] == p]]}
                 levels.append(lv)
                 print(f"concurrency {conc}: {len(results)} requests, {lv['output_tokens_per_s']:.1f} tok/s, "
                       f"TTFT p50 {lv['ttft_ms']['p50'] or 0:.1f} ms, TPOT p50 {lv['tpot_ms']['p50'] or 0:.2f} ms"
@@ -285,6 +414,8 @@ def main(argv=None) -> int:
         "server_command": server.cmd if server is not None else None,
         "label": args.label,
         "address": address,
+        "protocol": args.protocol,
+        "http_address": http_address if "http" in args.protocol else None,
         "model": info,
         "load": {"prompt_source": source, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},

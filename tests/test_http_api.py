@@ -1,0 +1,516 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` client against one server (the default model on
+CPU, gRPC and HTTP on the same engine), with the gRPC API and ``jaxmtp.generate`` as references; plus unit tests of
+the chat output parser (reasoning and Qwen3.5 tool calls) on text the Qwen3.5-style template of
+``test_chat_template.py`` renders.
+
+The server's engine shapes equal those of the reference ``jaxmtp.generate`` calls, and a persistent compilation
+cache (set for this module only) lets them share one compile.
+"""
+
+import asyncio
+import http.client
+import json
+import random
+import socket
+import time
+import urllib.parse
+
+import jax
+import pytest
+from test_chat_template import QWEN_LIKE
+
+import jaxmtp
+from jaxmtp.serving.chat_template import ChatTemplate
+from jaxmtp.serving.client import Client
+from jaxmtp.serving.server import ServerConfig, ServerThread
+from jaxmtp.serving.tool_parser import ChatOutputParser, convert_parameter, parse_chat_output
+
+openai = pytest.importorskip("openai")
+
+ENGINE_KW = dict(num_slots=4, max_context=256, num_draft_tokens=2, prefill_chunk=16, steps_per_sync=4)
+REF_KW = dict(num_slots=4, max_context=256, num_draft_tokens=2, steps_per_sync=4)  # the same compiled shapes
+MAX_QUEUE = 28  # 4 slots + 28 queued = 32 requests in flight at most
+MODEL = "jaxmtp-default"
+
+
+# ---- output parser (no server) ---------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "ratio": {"type": "number"}}}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "filters": {"type": "object"}, "ids": {"type": "array"}}}}}
+TOOLS = [WEATHER, SEARCH]
+
+
+def scripted_output(reasoning, content, calls, thinking=True):
+    """What Qwen3.5 generates for this turn: the assistant text the Qwen3.5-style template renders for it, after the
+    generation prompt (``<|im_start|>assistant\\n<think>\\n`` with thinking on, else ``...</think>\\n\\n``)."""
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": content, "reasoning_content": reasoning,
+                 "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}]
+    tpl = ChatTemplate(QWEN_LIKE)
+    full = tpl.render(messages, tools=TOOLS, add_generation_prompt=False)
+    prompt = tpl.render(messages[:1], tools=TOOLS, add_generation_prompt=True, enable_thinking=thinking)
+    turn = full[full.rindex("<|im_start|>assistant\n"):]
+    gen_prompt = prompt[prompt.rindex("<|im_start|>assistant\n"):]
+    if not thinking:  # the history form of this turn carries the reasoning; a thinking-off model writes none
+        turn = gen_prompt + turn[turn.index("</think>\n\n") + len("</think>\n\n"):]
+    assert turn.startswith(gen_prompt) and turn.endswith("<|im_end|>\n")
+    return prompt, turn[len(gen_prompt): -len("<|im_end|>\n")]
+
+
+CALLS = [("get_weather", {"city": "São Paulo", "days": 3, "metric": True, "ratio": 0.25}),
+         ("search", {"query": "line one\n  line <two> & 'three'", "filters": {"lang": "pt", "n": [1, 2]},
+                     "ids": [3, 1, 2]})]
+
+
+@pytest.mark.parametrize("reasoning, content, calls, thinking", [
+    ("Two tools are needed.\nFirst the weather.", "Checking both.", CALLS, True),
+    ("Just one.", "", CALLS[:1], True),
+    ("No tool needed.", "The answer is 4.", [], True),
+    (None, "Direct answer, no thinking.", CALLS[1:], False),
+])
+def test_parser_inverts_the_template(reasoning, content, calls, thinking):
+    """reasoning_content, content and tool calls (arguments typed by the tools' schemas) come back from the text
+    the template renders for them, whole and fed in random pieces, and the streamed OpenAI deltas, accumulated as a
+    client does, give the same message."""
+    from jaxmtp.serving.http_api import _Job
+
+    prompt, text = scripted_output(reasoning or "", content, calls, thinking)
+    whole = parse_chat_output(text, reasoning=True, in_reasoning=thinking and prompt.endswith("<think>\n"),
+                              tools=TOOLS)
+    assert whole.reasoning == (reasoning if thinking else None)
+    assert whole.content == (content or None)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
+    assert len({c.id for c in whole.tool_calls}) == len(calls)
+    rng = random.Random(len(text))
+    for _ in range(20):
+        p = ChatOutputParser(reasoning=True, in_reasoning=thinking, tools=TOOLS)
+        deltas, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            deltas += _Job._chat_deltas(p.feed(text[i:i + n]))
+            i += n
+        deltas += _Job._chat_deltas(p.finish())
+        got = {"content": "", "reasoning_content": "", "calls": {}}
+        for d in deltas:
+            for key in ("content", "reasoning_content"):
+                got[key] += d.get(key, "")
+            for tc in d.get("tool_calls", []):
+                call = got["calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
+                call["name"] += tc["function"].get("name", "")
+                call["arguments"] += tc["function"]["arguments"]
+        assert got["content"] == content and got["reasoning_content"] == ((reasoning or "") if thinking else "")
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(got["calls"].items())] == calls
+
+
+def test_parser_edge_cases():
+    # Reasoning opened by the model itself, tags split across pieces, text after a call, a truncated call.
+    p = ChatOutputParser(reasoning=True, in_reasoning=False, tools=TOOLS)
+    parts = []
+    for piece in ["<th", "ink>\nhm", "m\n</th", "ink>\n\nok <tool", "_call>\n<function=get_", "weather>\n<parameter=da",
+                  "ys>\n7\n</parameter>\n<parameter=city>\nRo"]:
+        parts += p.feed(piece)
+    parts += p.finish()
+    assert "".join(x.text for x in parts if x.kind == "reasoning") == "hmm"
+    assert "".join(x.text for x in parts if x.kind == "content") == "ok"
+    assert [(c.name, json.loads(c.arguments)) for c in p.tool_calls] == [("get_weather", {"days": 7, "city": "Ro"})]
+    # Qwen3's JSON form inside <tool_call>, and a block that is no call (kept as content).
+    out = parse_chat_output('x <tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n</tool_call>',
+                            tools=TOOLS)
+    assert out.content == "x" and [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        ("search", {"query": "q"})]
+    assert parse_chat_output("a <tool_call>not a call</tool_call>", tools=TOOLS).content == \
+        "a<tool_call>not a call</tool_call>"
+    # Without tools (or reasoning) the tags are plain text.
+    assert parse_chat_output("<think>x</think><tool_call>y").content == "<think>x</think><tool_call>y"
+    # Parameter conversion by schema type; text that does not parse stays text.
+    assert convert_parameter("12", {"type": "integer"}) == 12 and convert_parameter("1.5", {"type": "number"}) == 1.5
+    assert convert_parameter("x1", {"type": "integer"}) == "x1" and convert_parameter("null", {"type": "string"}) is None
+    assert convert_parameter("False", {"type": "boolean"}) is False
+    assert convert_parameter("[1, 2]", {"type": ["array", "null"]}) == [1, 2]
+    assert convert_parameter("007", {"type": "string"}) == "007"
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A JAX persistent compilation cache for this module (restored afterwards)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxmtp.load(None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def served(model, compile_cache):
+    """The server with its HTTP API, started cold: what /health and a completion said before the warm-up is
+    recorded."""
+    from jaxmtp.serving.http_api import start_in_thread, stop_in_thread
+
+    srv = ServerThread(model, ServerConfig(port=0, max_queue=MAX_QUEUE, default_max_tokens=16, **ENGINE_KW),
+                       warmup=False)
+    srv.start(timeout=120)
+    api = None
+    try:
+        api = start_in_thread(srv)
+        base = f"http://127.0.0.1:{api.port}"
+        record = {"health_before": request(base, "GET", "/health")}
+        try:
+            openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0).completions.create(
+                model=MODEL, prompt="x", max_tokens=2)
+        except openai.APIStatusError as e:
+            record["completion_before"] = e
+        srv.warmup(timeout=900)
+        yield srv, api, base, record
+    finally:
+        if api is not None:
+            stop_in_thread(srv, api)
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def base(served):
+    return served[2]
+
+
+@pytest.fixture(scope="module")
+def oai(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    with Client(served[0].address, timeout=300) as c:
+        yield c
+
+
+def reference(model, prompt, **kw):
+    return jaxmtp.generate(model, prompt, **REF_KW, **kw)
+
+
+def wait_until(pred, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def idle(grpc_client):
+    wait_until(lambda: grpc_client.stats()["requests_active"] == 0, what="the server to go idle")
+
+
+def metrics(base) -> dict:
+    """/metrics parsed with prometheus_client's text parser: {(sample name, frozenset(labels)): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, text = request(base, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "le")))] = s.value
+    return out
+
+
+def request(base, method, path, body=None, timeout=60.0, raw=None):
+    """A plain HTTP request (stdlib): (status, headers, parsed JSON body or text)."""
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        text = r.read().decode()
+        try:
+            return r.status, r.headers, json.loads(text)
+        except ValueError:
+            return r.status, r.headers, text
+    finally:
+        conn.close()
+
+
+class OpenStream:
+    """A streamed completion whose response has started; ``close()`` hangs up mid-stream."""
+
+    def __init__(self, base, body):
+        url = urllib.parse.urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                          headers={"content-type": "application/json"})
+        self.response = self.conn.getresponse()
+
+    def next_event(self) -> dict:
+        while True:
+            line = self.response.fp.readline().decode().strip()
+            if line.startswith("data: "):
+                return json.loads(line[6:])
+
+    def close(self):
+        if self.conn.sock is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+
+
+def sample(m, name, **labels):
+    return m.get((name, frozenset(labels.items())), 0.0)
+
+
+# ---- tests -----------------------------------------------------------------------------------------------------
+def test_warming_up_is_503_then_health_turns_ok(served, base):
+    record = served[3]
+    status, _, body = record["health_before"]
+    assert status == 503 and "warming up" in body["error"]["message"]
+    e = record["completion_before"]
+    assert e.status_code == 503 and "warming up" in e.message
+    assert request(base, "GET", "/health")[::2] == (200, {"status": "ok"})
+
+
+def test_models(oai, served):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].owned_by == "jaxmtp"
+    assert models[0].max_model_len == served[0].server.engine.max_context
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=11)])
+def test_completion_equals_grpc_and_generate(oai, grpc_client, model, sampling):
+    prompt = "def fibonacci(n):"
+    lib = {k: v for k, v in sampling.items()}
+    want = reference(model, prompt, max_new_tokens=14, ignore_eos=True, **lib)
+    got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=14, extra_body={"ignore_eos": True},
+                                 **sampling)
+    over_grpc = grpc_client.generate(prompt, max_tokens=14, ignore_eos=True, **sampling)
+    assert got.choices[0].text == want.text == over_grpc.text
+    assert got.choices[0].finish_reason == "length" == want.finish_reason
+    assert got.usage.completion_tokens == 14 == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids) == over_grpc.prompt_tokens
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 14
+    assert got.object == "text_completion" and got.model == MODEL and got.id.startswith("cmpl-")
+    # Token ids as the prompt, and a streamed request, give the same text.
+    by_ids = oai.completions.create(model=MODEL, prompt=want.prompt_token_ids, max_tokens=14,
+                                    extra_body={"ignore_eos": True}, **sampling)
+    assert by_ids.choices[0].text == want.text
+    chunks = list(oai.completions.create(model=MODEL, prompt=prompt, max_tokens=14, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                                         **sampling))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1  # it streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_strings_and_stop_token_ids(oai, model):
+    prompt = "import os\n"
+    full = reference(model, prompt, max_new_tokens=24, ignore_eos=True)
+    stop = full.text[10:13]
+    want = reference(model, prompt, max_new_tokens=24, ignore_eos=True, stop=[stop])
+    got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                 extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text == full.text[:full.text.index(stop)]
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == len(want.token_ids)
+    streamed = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                      stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+    stop_id = full.token_ids[5]
+    got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    first = full.token_ids.index(stop_id)
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == first + 1
+
+
+def test_chat_with_the_default_models_template(oai, grpc_client, model):
+    """End to end: the prompt is the default model's template rendered by transformers; the output (seeded
+    sampling) equals jaxmtp.generate's on those ids, streamed and not; max_completion_tokens bounds it."""
+    transformers = pytest.importorskip("transformers")
+    from jaxmtp.default_model import default_model_path
+
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Reverse a list."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = reference(model, list(ids), max_new_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
+    kw = dict(model=MODEL, messages=messages, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+    got = oai.chat.completions.create(max_completion_tokens=12, **kw)
+    msg = got.choices[0].message
+    assert msg.role == "assistant" and msg.content == want.text and not msg.tool_calls
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 12
+    assert got.choices[0].finish_reason == "length" and got.object == "chat.completion"
+    chunks = list(oai.chat.completions.create(max_tokens=12, stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # The same chat over gRPC renders the same prompt.
+    over_grpc = grpc_client.generate(messages=messages, max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
+    assert over_grpc.prompt_tokens == len(ids) and over_grpc.text == want.text
+
+
+def test_32_concurrent_streams_get_their_own_outputs(base, oai, grpc_client):
+    """32 streams at once (4 slots, 28 queued): each equals the same request made alone."""
+    n = 32
+    reqs = [dict(model=MODEL, prompt=f"# task {i}\ndef f{i}(x):", max_tokens=8, temperature=0.9, seed=100 + i,
+                 extra_body={"ignore_eos": True}) for i in range(n)]
+    alone = [oai.completions.create(**r).choices[0].text for r in reqs[:8]]  # a sample made one at a time
+    idle(grpc_client)
+    before = grpc_client.stats()
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="-", max_retries=0, timeout=600)
+
+        async def one(r):
+            text = []
+            async for c in await client.completions.create(stream=True, **r):
+                text.append(c.choices[0].text)
+            return "".join(text)
+
+        try:
+            return await asyncio.gather(*(one(r) for r in reqs))
+        finally:
+            await client.close()
+
+    together = asyncio.run(run())
+    assert together[:8] == alone
+    for i in range(8, n, 6):  # and a few more, made alone afterwards
+        assert together[i] == oai.completions.create(**reqs[i]).choices[0].text
+    after = grpc_client.stats()
+    assert after["requests_total"] - before["requests_total"] >= n
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] >= 8 * n
+
+
+def test_disconnect_frees_the_slot_and_a_full_queue_is_429(base, oai, grpc_client):
+    """Clients that hang up (streamed, or not streamed and queued) have their requests aborted; with every slot and
+    the whole queue taken, one more request is a RateLimitError."""
+    idle(grpc_client)
+    before = grpc_client.stats()["requests_finished"].get("cancelled", 0)
+    body = {"model": MODEL, "prompt": "def long():", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    capacity = 4 + MAX_QUEUE
+    streams = []
+    try:
+        for _ in range(capacity - 1):
+            streams.append(OpenStream(base, body))
+            assert streams[-1].response.status == 200
+        wait_until(lambda: grpc_client.stats()["requests_active"] == capacity - 1, what="31 requests")
+        with pytest.raises((TimeoutError, socket.timeout)):  # queued behind the others: still waiting at 1 s
+            request(base, "POST", "/v1/completions", {**body, "stream": False}, timeout=1.0)
+        wait_until(lambda: grpc_client.stats()["requests_finished"].get("cancelled", 0) == before + 1,
+                   what="its abort")
+        assert grpc_client.stats()["requests_active"] == capacity - 1
+        streams.append(OpenStream(base, body))
+        wait_until(lambda: grpc_client.stats()["requests_active"] == capacity, what="a full server")
+        with pytest.raises(openai.RateLimitError) as e:
+            oai.completions.create(model=MODEL, prompt="one more", max_tokens=2)
+        assert "capacity" in e.value.message
+        assert streams[0].next_event()["choices"][0]["text"]  # the first stream is producing tokens
+    finally:
+        for s in streams:  # hang up mid-stream
+            s.close()
+    wait_until(lambda: grpc_client.stats()["requests_active"] == 0, what="the hung-up requests to be aborted")
+    assert grpc_client.stats()["requests_finished"].get("cancelled", 0) - before == 1 + capacity
+    assert oai.completions.create(model=MODEL, prompt="after", max_tokens=3).usage.completion_tokens == 3
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = {
+    "n": (dict(n=2), "'n'"),
+    "logprobs": (dict(logprobs=True), "'logprobs'"),
+    "penalty": (dict(presence_penalty=0.5), "'presence_penalty'"),
+    "response_format": (dict(response_format={"type": "json_object"}), "'response_format'"),
+    "unknown field": (dict(extra_body={"guided_json": {}}), "'guided_json'"),
+    "tools without a tool template": (dict(tools=[WEATHER]), "no tool support"),
+    "forced tool": (dict(tool_choice="required"), "tool_choice"),
+    "temperature": (dict(temperature=-1), "temperature"),
+    "top_p": (dict(top_p=0), "top_p"),
+    "max_tokens": (dict(max_tokens=100000), "above the server's limit"),
+    "seed": (dict(seed=-1), "'seed'"),
+    "stop id": (dict(extra_body={"stop_token_ids": [10**6]}), "outside the vocabulary"),
+    "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+                   "only text parts"),
+    "role": (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
+    "stream_options without stream": (dict(stream_options={"include_usage": True}), "stream_options"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_are_400_and_the_server_keeps_serving(oai, case):
+    kw, needle = BAD_REQUESTS[case]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**{"model": MODEL, "messages": CHAT, "max_tokens": 2, **kw})
+    assert needle in e.value.message and e.value.body["type"] == "invalid_request_error"
+
+
+def test_other_errors(oai, base):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert "does not exist" in e.value.message and e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        oai.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        oai.completions.create(model=MODEL, prompt="", max_tokens=2)
+    status, _, body = request(base, "POST", "/v1/completions", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, _, body = request(base, "GET", "/v1/nothing-here")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    assert request(base, "GET", "/v1/completions")[0] == 405
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics_parse_and_move_with_traffic(base, oai, grpc_client):
+    idle(grpc_client)
+    m0 = metrics(base)
+    got = oai.completions.create(model=MODEL, prompt="class Stack:", max_tokens=9, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+    over_grpc = grpc_client.generate("x", max_tokens=3, ignore_eos=True)  # one scheduler, one set of metrics
+    m1 = metrics(base)
+
+    def delta(name, **labels):
+        return sample(m1, name, **labels) - sample(m0, name, **labels)
+
+    assert delta("jaxmtp_requests_finished_total", finish_reason="length") == 2
+    assert delta("jaxmtp_requests_rejected_total", code="INVALID_ARGUMENT") == 1
+    assert delta("jaxmtp_generation_tokens_total") == 9 + 3
+    assert delta("jaxmtp_prompt_tokens_total") == got.usage.prompt_tokens + over_grpc.prompt_tokens
+    for h in ("jaxmtp_time_to_first_token_seconds", "jaxmtp_e2e_request_latency_seconds",
+              "jaxmtp_time_per_output_token_seconds", "jaxmtp_request_generation_tokens"):
+        assert delta(h + "_count") == 2
+    assert delta("jaxmtp_request_generation_tokens_sum") == 12
+    assert delta("jaxmtp_e2e_request_latency_seconds_sum") > 0
+    assert delta("jaxmtp_spec_decode_num_drafts_total") > 0
+    drafts = delta("jaxmtp_spec_decode_num_drafts_total")
+    assert delta("jaxmtp_spec_decode_num_draft_tokens_total") == 2 * drafts  # k = 2
+    per_pos = [sample(m1, "jaxmtp_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in (1, 2)]
+    assert per_pos[0] >= per_pos[1] and sum(per_pos) == sample(m1, "jaxmtp_spec_decode_num_accepted_tokens_total")
+    assert sample(m1, "jaxmtp_num_slots") == 4 and sample(m1, "jaxmtp_server_ready") == 1
+    assert sample(m1, "jaxmtp_num_requests_running") == 0 == sample(m1, "jaxmtp_num_requests_waiting")
+
+
+def test_api_key(served, base):
+    """With an API key (``--api-key``), /v1 needs ``Authorization: Bearer KEY``; /health and /metrics stay open."""
+    api = served[1]
+    old, api._auth = api._auth, b"Bearer sesame"  # what HttpApi derives from ServerConfig.api_key
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert request(base, "GET", "/v1/models")[0] == 401
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        assert request(base, "GET", "/health")[0] == 200 and request(base, "GET", "/metrics")[0] == 200
+    finally:
+        api._auth = old
