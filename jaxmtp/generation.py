@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from typing import Iterator, Sequence
@@ -69,25 +70,16 @@ def normalize_prompts(prompts) -> tuple[list, bool]:
 
 
 def render_chat(model: Model, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    """Render chat messages with the checkpoint's Jinja chat template (needs jinja2)."""
+    """Render chat messages with the checkpoint's Jinja chat template, as ``transformers``' ``apply_chat_template``
+    renders it (:mod:`jaxmtp.serving.chat_template`; raises ValueError when the template fails on them)."""
+    from jaxmtp.serving.chat_template import ChatTemplate
+
     if not model.chat_template:
         raise ValueError("this checkpoint has no chat template; pass a string or token ids instead of messages")
     for m in messages:
         if "role" not in m or "content" not in m:
             raise ValueError(f"chat messages need 'role' and 'content', got {m!r}")
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:  # pragma: no cover - jinja2 ships with transformers and most environments
-        raise ImportError("rendering chat messages needs jinja2: pip install jinja2") from e
-
-    def raise_exception(message):
-        raise ValueError(f"chat template error: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    special = {k: model.generation_config.get(k) for k in ("bos_token", "eos_token")}
-    return env.from_string(model.chat_template).render(messages=list(messages),
-                                                        add_generation_prompt=add_generation_prompt, **special)
+    return ChatTemplate.from_model(model).render(messages, add_generation_prompt=add_generation_prompt)
 
 
 def encode_prompt(model: Model, prompt) -> list[int]:
@@ -225,6 +217,18 @@ def generate(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: 
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):'
 
 
+def _process_seconds() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): start-up includes Python's imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxmtp",
                                  description="Generate text with MTP speculative decoding.")
@@ -237,29 +241,52 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: float32 on CPU, bfloat16 on accelerators (as jaxmtp.load and the server)")
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help="draft only among these token ids (jaxmtp.draft_vocab; same output, cheaper drafts)")
+    from jaxmtp.compile_cache import add_arguments, enable_from_args
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
     try:
+        enable_from_args(args)  # before anything compiles
         model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab)
+        _, engine, ids, rids, _ = _prepare(
+            model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, stop=args.stop,
+            stop_token_ids=None, ignore_eos=False, num_slots=None, max_context=None, steps_per_sync=8)
+        load_s = time.perf_counter() - t_start
+        # Compile what this request runs, with progress on stderr, so that the timings below exclude it.
+        keys = engine.keys_for_request(len(ids[0]), sampling=args.temperature > 0)
+        compile_s = engine.warmup(keys=keys, progress=True)
+        from_cache = sum(engine.executables[k].cache_hits > 0 for k in keys)
         t0 = time.perf_counter()
         sys.stdout.write(args.prompt)
-        final = None
-        for c in generate_stream(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                 num_draft_tokens=args.num_draft_tokens, stop=args.stop):
+        final, first, since_start = None, None, None
+        for c in _drain(engine, rids):
+            if first is None and c.token_ids:
+                first = time.perf_counter()
+                since_start = _process_seconds()
             sys.stdout.write(c.text)
             sys.stdout.flush()
             final = c
+        t_end = time.perf_counter()
     except (ValueError, OSError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     s = final.stats
-    print(f"\n\n[{s['num_generated_tokens']} tokens, finish={final.finish_reason}, k={s['k']}, "
+    n = s["num_generated_tokens"]
+    decode = f"{(n - 1) / (t_end - first):.1f} tokens/s" if first is not None and n > 1 and t_end > first else "-"
+    print(f"\n\n[{n} tokens, finish={final.finish_reason}, k={s['k']}, "
           f"mean acceptance length {s['mean_acceptance_length']:.2f}, "
-          f"acceptance per position {[round(a, 2) for a in s['acceptance_per_position']]}, "
-          f"{s['num_generated_tokens'] / (time.perf_counter() - t0):.1f} tokens/s including compile]", file=sys.stderr)
+          f"acceptance per position {[round(a, 2) for a in s['acceptance_per_position']]}]\n"
+          f"[load {load_s:.1f} s, compile {compile_s:.1f} s ({len(keys)} executables, {from_cache} from the "
+          f"compilation cache), time to first token {((first or t_end) - t0) * 1e3:.0f} ms, decode {decode} "
+          f"(after the first token, compile excluded), first token "
+          f"{since_start if since_start is not None else (first or t_end) - t_start:.1f} s after the start]",
+          file=sys.stderr)
     return 0
 
 

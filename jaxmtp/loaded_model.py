@@ -38,6 +38,7 @@ class Model:
     backend: Backend = dataclasses.field(default_factory=lambda: resolve_backend("auto"))
     generation_config: dict = dataclasses.field(default_factory=dict)
     chat_template: str | None = None
+    load_info: dict = dataclasses.field(default_factory=dict)  # weight bytes, peak device bytes during the load
 
     # ---- ids helpers --------------------------------------------------------------------------------------------
     @property
@@ -161,13 +162,22 @@ def _chat_template(path: str) -> str | None:
     return tpl if isinstance(tpl, str) else None
 
 
-def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str | Backend" = "auto",
+def resolve_dtype(dtype="auto"):
+    """The compute dtype for ``dtype``; ``"auto"`` (every entry point's default: ``jaxmtp.load``, ``python -m
+    jaxmtp``, ``python -m jaxmtp.serve``) is float32 on a CPU and bfloat16 on an accelerator."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    return jnp.dtype(dtype)
+
+
+def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Backend" = "auto",
          progress: bool = True, int8_draft_head: bool = True, draft_vocab=None,
-         draft_head_bits: int | None = None) -> Model:
+         draft_head_bits: int | None = None, memory_fraction: float | None = None) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
-    ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"`` or
-    ``"float32"``); norms, GDN gates and the recurrent state are float32 regardless. The params come in the serving
+    ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"``,
+    ``"float32"``, or ``"auto"``: :func:`resolve_dtype`); norms, GDN gates and the recurrent state are float32
+    regardless. The params come in the serving
     layout (:mod:`jaxmtp.param_layout`): fused projections and, with ``int8_draft_head`` and an MTP head, a quantised
     copy of the LM head for the drafts (outputs unchanged; on a GPU int4 where the hidden size is a multiple of 128,
     costing V x H / 2 bytes of memory, else int8, V x H; ``draft_head_bits`` chooses: 8 drafts a little closer to the
@@ -176,7 +186,18 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     outputs unchanged; ``int8_draft_head=False`` drafts with the exact head and layer). ``draft_vocab`` (token
     ids, or a file of them: :mod:`jaxmtp.draft_vocab`) restricts the drafts to those tokens, so that each draft reads
     N x H bytes instead (outputs unchanged; the acceptance rate can drop where the text needs other tokens).
+
+    ``memory_fraction`` (default 0.9): the share of each GPU's memory JAX's allocator takes, if this call is the
+    first to start JAX's GPU backend and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is unset
+    (:func:`jaxmtp.engine.memory.set_memory_fraction`). The layout is built on the host and placed once, so the
+    device never holds two copies of the weights; ``model.load_info`` has the weight bytes and the peak device bytes
+    during the load (measured where the device reports it).
     """
+    from jaxmtp.compile_cache import enable_compile_cache
+    from jaxmtp.engine.memory import set_memory_fraction
+
+    set_memory_fraction(memory_fraction)  # before JAX creates a GPU backend; no effect on a CPU
+    enable_compile_cache()  # the persistent compilation cache (jaxmtp.compile_cache), unless configured otherwise
     if path is None:
         from jaxmtp.default_model import default_model_path
 
@@ -184,7 +205,7 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
-    dtype = jnp.dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     check_draft_head_options(int8_draft_head, draft_head_bits)
@@ -205,8 +226,10 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
     if ids is not None and not cfg.has_mtp:  # the config can name MTP layers that the checkpoint lacks
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
     backend = resolve_backend(backend, cfg, dtype)
-    params = jax.device_put(serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids,
-                                           draft_head_bits=draft_head_bits, backend=backend))
+    # The serving layout is built on the host (numpy), then placed once: the device never holds the weights twice.
+    params = serving_layout(_to_host(params), draft_head=int8_draft_head, draft_vocab=ids,
+                            draft_head_bits=draft_head_bits, backend=backend)
+    params, load_info = _place(params)
     return Model(
         config=cfg,
         params=params,
@@ -216,4 +239,32 @@ def load(path: str | os.PathLike | None = None, dtype="bfloat16", backend: "str 
         backend=backend,
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         chat_template=_chat_template(path),
+        load_info=load_info,
     )
+
+
+def _to_host(params):
+    """Params as host numpy arrays (a native checkpoint restores onto the device: each leaf moves off it)."""
+    return jax.tree_util.tree_map(lambda x: x if isinstance(x, np.ndarray) else np.asarray(jax.device_get(x)),
+                                  params)
+
+
+def _place(params):
+    """``jax.device_put`` leaf by leaf; returns (device params, ``{"weight_bytes", "peak_device_bytes"}``): the
+    allocator's peak during the load where the device reports it (GPUs), else the weights' bytes (what the device
+    holds at most, with the layout built on the host)."""
+    from jaxmtp.param_layout import weight_bytes
+
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    placed = []
+    for leaf in leaves:
+        placed.append(jax.device_put(leaf))
+    params = jax.tree_util.tree_unflatten(tree, placed)
+    total = weight_bytes(params)
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        stats = {}
+    peak = stats.get("peak_bytes_in_use")
+    return params, {"weight_bytes": total, "peak_device_bytes": int(peak) if peak else total,
+                    "peak_measured": bool(peak), "bytes_limit": stats.get("bytes_limit")}

@@ -1,4 +1,5 @@
-"""``python -m jaxmtp.serve``: the gRPC server (``jaxmtp.v1.Generation`` + ``grpc.health.v1.Health``).
+"""``python -m jaxmtp.serve``: the gRPC server (``jaxmtp.v1.Generation`` + ``grpc.health.v1.Health``) and, on the
+same engine, the OpenAI-compatible HTTP API (:mod:`jaxmtp.serving.http_api`; ``--http-port``, ``--no-http``).
 
     python -m jaxmtp.serve                                 # the embedded default model on 127.0.0.1:50051
     python -m jaxmtp.serve --model /path/to/Qwen3.5-0.8B --dtype bfloat16 --slots 32 --port 0
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-head-bits", type=int, default=None, choices=[8, 4],
                    help="quantisation of the drafts' copy of the LM head (default 4 on a GPU where the hidden size is "
                         "a multiple of 128, else 8): 8 drafts a little closer to the exact head, 4 reads half the bytes "
-                        "(outputs are the same; docs/performance.md run 10)")
+                        "(outputs are the same; docs/performance.md, \"Draft head quantisation\")")
     g.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="draft only among these token ids (.json list, .npy or whitespace-separated text; build one "
                         "with scripts/build_draft_vocab.py): each draft reads N rows of the head instead of the whole "
@@ -53,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("network")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=50051, help="port (0: pick a free one; it is printed)")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="port of the OpenAI-compatible HTTP API on the same host (default 8000, or a free one when "
+                        "--port is 0; 0: pick a free one); it is printed")
+    g.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
+    g.add_argument("--api-key", default=os.environ.get("JAXMTP_API_KEY"),
+                   help="require the metadata 'authorization: Bearer KEY' on every call but health checks "
+                        "(UNAUTHENTICATED otherwise); default: the JAXMTP_API_KEY environment variable")
+    g.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate (chain)")
+    g.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
     g = ap.add_argument_group("engine")
     g.add_argument("--slots", type=int, default=8, help="requests decoded concurrently (engine slots)")
     g.add_argument("-k", "--num-draft-tokens", type=int, default=None,
@@ -65,8 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-slot-buckets", dest="slot_buckets", action="store_false",
                    help="always step every slot (default: the smallest power-of-two prefix of slots holding every "
                         "busy one; warm-up compiles one step per prefix size)")
-    g.add_argument("--compilation-cache-dir", default=None,
-                   help="JAX persistent compilation cache directory (faster restarts)")
+    from jaxmtp.compile_cache import add_arguments as add_compile_cache_arguments
+
+    add_compile_cache_arguments(g)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of each GPU's memory JAX's allocator takes (default 0.9; JAX's own default is 0.75), "
+                        "for the weights, the slots' KV/state buffers and the step's temporaries; ignored if "
+                        "XLA_PYTHON_CLIENT_MEM_FRACTION is set; no effect on a CPU")
+    g.add_argument("--compile-all", dest="background_compile", action="store_false",
+                   help="compile every executable before SERVING (default: only the sampling loop over all slots "
+                        "and a one-row prefill, which serve every request; the other slot buckets and prefill "
+                        "shapes compile in the background after SERVING, while no request runs)")
     g = ap.add_argument_group("limits")
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot; past it requests get RESOURCE_EXHAUSTED")
@@ -93,15 +112,16 @@ def _config_from_args(args):
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_message_bytes=args.max_message_bytes, max_request_seconds=args.max_request_seconds,
-        drain_grace=args.drain_grace, served_model_name=args.served_model_name)
+        drain_grace=args.drain_grace, served_model_name=args.served_model_name,
+        background_compile=args.background_compile, progress=True, api_key=args.api_key or None,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
 def load_model(args):
-    import jax
-
     import jaxmtp
+    from jaxmtp.loaded_model import resolve_dtype
 
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    dtype = resolve_dtype(args.dtype).name  # the rule jaxmtp.load and python -m jaxmtp apply
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
@@ -111,7 +131,7 @@ def load_model(args):
                             int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
                        int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
-                       draft_head_bits=args.draft_head_bits)
+                       draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization)
 
 
 async def serve(args) -> int:
@@ -131,7 +151,7 @@ async def serve(args) -> int:
              "slot buckets %s, backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk, e.steps_per_sync,
              e.slot_buckets, info.backend)
     if e.k:
-        from jaxmtp.model import describe_draft_head
+        from jaxmtp.mtp import describe_draft_head
 
         log.info("drafts: %s", describe_draft_head(model.params, model.config.vocab_size))
     log.info("limits: queue %d, prompt %d tokens, max_tokens <= %d (default %d), messages <= %d bytes, request "
@@ -139,6 +159,14 @@ async def serve(args) -> int:
              server.default_max_tokens, config.max_message_bytes,
              f"<= {config.max_request_seconds} s" if config.max_request_seconds else "unlimited", config.drain_grace)
     log.info("memory plan:\n%s", e.plan.table())
+    from jaxmtp.engine.memory import device_memory_bytes, most_slots
+
+    available = device_memory_bytes()
+    if available:
+        log.info("memory: %.2f GiB usable (90%% of %.2f GiB), the plan takes %.2f GiB; at most %d slots of %d "
+                 "tokens fit; weights placed with a device peak of %.2f GiB", 0.9 * available / 2**30,
+                 available / 2**30, e.plan.total / 2**30, most_slots(e.plan, available), e.max_context,
+                 model.load_info.get("peak_device_bytes", e.plan.weights) / 2**30)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -161,7 +189,27 @@ async def serve(args) -> int:
     port = await server.start()
     host = config.host if ":" not in config.host else f"[{config.host}]"
     print(f"jaxmtp.serve listening on {host}:{port}", flush=True)
-    log.info("listening on %s:%d (health NOT_SERVING until warmed up)", host, port)
+    http = None
+    if args.http:
+        from jaxmtp.serving.http_api import HttpApi
+
+        http_port = args.http_port if args.http_port is not None else (0 if args.port == 0 else 8000)
+        http = HttpApi(server, port=http_port)
+        try:
+            http_port = await http.start()
+        except OSError:
+            await server.stop()
+            raise
+        print(f"jaxmtp.serve http listening on {host}:{http_port}", flush=True)
+        log.info("OpenAI-compatible HTTP API on http%s://%s:%d/v1", "s" if config.ssl_certfile else "", host,
+                 http_port)
+    log.info("listening on %s:%d%s (health NOT_SERVING until warmed up)", host, port,
+             " with TLS" if config.ssl_certfile else "")
+    if config.api_key:
+        log.info("calls other than health checks need the API key")
+    elif config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening beyond loopback without an API key: anyone who reaches %s:%d can generate and abort "
+                    "requests (see --api-key and --ssl-certfile)", host, port)
 
     code = 0
     warm = asyncio.ensure_future(server.warmup())
@@ -171,7 +219,10 @@ async def serve(args) -> int:
     if warm.done():
         seconds = warm.result()  # raises if the warm-up failed
         if not stop.is_set():
-            log.info("warmed up in %.1f s: SERVING", seconds)
+            w = server.engine.warmup_status()
+            log.info("warmed up in %.1f s (%d of the engine's %d executables%s): SERVING", seconds, w["done"],
+                     w["total"], "; the rest compile in the background while idle" if w["compiled"] < w["total"]
+                     else "")
         await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
         if failed.done() and not stop.is_set():
             log.error("the engine failed (see above): shutting down so that a supervisor can restart the server")
@@ -183,12 +234,16 @@ async def serve(args) -> int:
         log.info("stopping during warm-up")
     failed.cancel()
     stopper.cancel()
+    if http is not None:
+        await http.stop()
     await server.stop()
     log.info("stopped")
-    if not warm.done():  # the compile in the warm-up thread cannot be interrupted: leave without joining it
+    bg = server.engine.background
+    if not warm.done() or (bg is not None and not bg.finished.is_set()):
+        # A compile in progress (warm-up or background thread) cannot be interrupted: leave without joining it.
         logging.shutdown()
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(code)
     return code
 
 
@@ -198,12 +253,19 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "DEBUG":
         logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. its INFO line about absent TPU backends
-    if args.compilation_cache_dir:
-        import jax
+    from jaxmtp.compile_cache import enable_from_args
 
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cache = enable_from_args(args)  # before anything compiles
+    log.info("compilation cache: %s", cache or "off")
     from jaxmtp.engine import EngineConfigError
+    from jaxmtp.engine.memory import set_memory_fraction
+
+    try:
+        fraction = set_memory_fraction(args.gpu_memory_utilization)  # before JAX starts a GPU backend
+    except EngineConfigError as e:
+        log.error("%s", e)
+        return 2
+    log.info("GPU memory fraction: %s", fraction if fraction is not None else "JAX's")
 
     try:
         return asyncio.run(serve(args))

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.engine import steps
+from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_num_draft_tokens
 from jaxmtp.param_layout import weight_bytes
-from jaxmtp.engine.text import IncrementalDetokenizer, find_stop, held_back
+from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_strings
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
 _REASONS = {steps.STOP: "stop", steps.LENGTH: "length"}
@@ -98,7 +99,8 @@ class _Request:
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
     first_token_time: float | None = None
-    sent: int = 0  # characters of text streamed so far
+    stops: StopMatcher | None = None  # the stop strings' matcher (None: no stop strings)
+    held: str = ""  # text not streamed yet because it may begin a stop string
     done: bool = False
     reason: str | None = None
     oracle: np.ndarray | None = None  # prompt + reference continuation (oracle drafts)
@@ -201,6 +203,15 @@ class Engine:
         # predicate costs a host round trip inside every plain step on GPUs (which made the plain batch-1 step 2.5%
         # (4B) to 12% (0.8B) slower on an H100; docs/engine.md).
         self._loops = {(w, sampling): loop(w, sampling) for w in self.slot_buckets for sampling in (False, True)}
+        # Every shape the engine can run (jaxmtp.engine.warmup). After warmup(background=True) the calls use only
+        # the compiled ones (``_ready``), substituting a wider bucket or the sampling loop until the rest are done.
+        self.executables = self._list_executables()
+        self._ready: set = set()
+        self._lazy = False
+        self.background: _warmup.BackgroundCompiler | None = None
+        self.warmup_seconds: float | None = None
+        self._warmup_plan: list = []
+        self._warmup_t0: float | None = None
 
         self._lock = threading.RLock()
         self._queue: collections.deque[_Request] = collections.deque()
@@ -232,6 +243,7 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        check_stop_strings(params.stop)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
@@ -239,16 +251,21 @@ class Engine:
         return prompt
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, oracle_continuation: Sequence[int] | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError for invalid input (nothing is queued then)."""
+                    request_id: str | None = None, oracle_continuation: Sequence[int] | None = None,
+                    stop_matcher: StopMatcher | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for invalid input (nothing is queued then).
+        ``stop_matcher``: ``StopMatcher(params.stop)`` built beforehand (the server builds it off the event loop)."""
         params = (params or SamplingParams()).with_seed()
         prompt = self.validate(prompt_ids, params)
+        if params.stop and self.tokenizer is not None and stop_matcher is None:
+            stop_matcher = StopMatcher(params.stop)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._by_id:
                 raise ValueError(f"request id {rid!r} is already in use")
             req = _Request(rid, prompt, params, time.perf_counter(),
                            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                           stops=stop_matcher if params.stop else None,
                            stats=SpecStats(k=self.k, accepted_per_position=[0] * self.k))
             if oracle_continuation is not None:
                 if self.state.oracle is None:
@@ -357,8 +374,9 @@ class Engine:
         """One chunk for every prefilling request; True if some prompt finished (its first token is out)."""
         pending = [r for r in self._slots if r is not None and r.prefilled < r.prompt.size and not r.done]
         completed = False
-        for group_start in range(0, len(pending), self.max_prefill_batch):
-            group = pending[group_start : group_start + self.max_prefill_batch]
+        batch = self._prefill_rows_limit()
+        for group_start in range(0, len(pending), batch):
+            group = pending[group_start : group_start + batch]
             completed |= self._prefill_group(group, outputs)
         return completed
 
@@ -376,8 +394,8 @@ class Engine:
         return min(b, self.prefill_chunk)
 
     def _prefill_group(self, group, outputs):
-        rows = self._bucket(len(group), 1, self.max_prefill_batch)
-        chunk = self._chunk_bucket(max(min(self.prefill_chunk, r.prompt.size - r.prefilled) for r in group))
+        rows, chunk = self._prefill_shape(len(group), max(min(self.prefill_chunk, r.prompt.size - r.prefilled)
+                                                          for r in group))
         slots = np.full((rows,), self.num_slots, np.int32)
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
@@ -433,18 +451,73 @@ class Engine:
             req.slot, self._slots[b], self._slots[a] = b, req, None
         return width
 
-    def device_loop(self, width: int | None = None, sampling: bool | None = None):
+    def device_loop(self, width: int | None = None, sampling: bool | None = None, ready_only: bool = False):
         """The jitted loop of ``steps_per_sync`` steps over slots ``0 .. width-1`` (a slot bucket; default all):
         ``(params, state) -> (state, outputs)``. ``sampling`` None: with sampling if a busy slot among them has
-        temperature > 0, else greedy only (benchmarks and profiles call it as the engine does)."""
+        temperature > 0, else greedy only (benchmarks and profiles call it as the engine does). ``ready_only``:
+        while a background warm-up runs, a compiled loop that serves these slots (:meth:`_loop_for`)."""
         width = self.num_slots if width is None else width
         if sampling is None:
             sampling = any(r is not None and not r.done and r.params.temperature > 0 for r in self._slots[:width])
+        if ready_only:
+            width, sampling = self._loop_for(width, sampling)
         return self._loops[width, sampling]
+
+    # ---- compiled shapes and their substitutes (jaxmtp.engine.warmup) ---------------------------------------
+    def _list_executables(self) -> dict:
+        ex = {}
+        rows = 1
+        while True:
+            chunk = 16
+            while True:
+                key = _warmup.prefill_key(rows, chunk)
+                ex[key] = _warmup.Executable(key, self._prefill, _warmup.prefill_args(rows, chunk, self.num_slots))
+                if chunk >= self.prefill_chunk:
+                    break
+                chunk = self._chunk_bucket(chunk + 1)
+            if rows >= self.max_prefill_batch:
+                break
+            rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
+        for (w, sampling), fn in self._loops.items():
+            key = _warmup.step_key(w, sampling)
+            ex[key] = _warmup.Executable(key, fn, tuple)
+        return ex
+
+    def _loop_for(self, width: int, sampling: bool) -> tuple[int, bool]:
+        """A compiled loop for slots ``0 .. width-1``: the narrowest ready bucket at least as wide, greedy-only
+        loops serving greedy slots only (the sampling loop serves both). Not lazy: exactly (width, sampling)."""
+        if not self._lazy or _warmup.step_key(width, sampling) in self._ready:
+            return width, sampling
+        for w in self.slot_buckets:
+            if w >= width:
+                for s in ((True,) if sampling else (False, True)):
+                    if _warmup.step_key(w, s) in self._ready:
+                        return w, s
+        return width, sampling  # nothing compiled yet: the call compiles it
+
+    def _prefill_rows_limit(self) -> int:
+        """Prompts prefilled together: the most rows of a compiled prefill while a background warm-up runs."""
+        if not self._lazy:
+            return self.max_prefill_batch
+        rows = [k[1] for k in tuple(self._ready) if k[0] == "prefill"]  # a copy: the background thread adds keys
+        return max(rows) if rows else self.max_prefill_batch
+
+    def _prefill_shape(self, n_rows: int, n_tokens: int) -> tuple[int, int]:
+        """(rows, chunk) of the prefill call for ``n_rows`` prompts whose longest remaining part (capped at the
+        chunk) is ``n_tokens``: the buckets; while a background warm-up runs, the compiled shape with the fewest
+        padded tokens among those with enough rows (a shorter chunk splits the prompts, a longer one pads)."""
+        rows, chunk = self._bucket(n_rows, 1, self.max_prefill_batch), self._chunk_bucket(n_tokens)
+        if not self._lazy or _warmup.prefill_key(rows, chunk) in self._ready:
+            return rows, chunk
+        ready = [(k[1], k[2]) for k in tuple(self._ready) if k[0] == "prefill" and k[1] >= rows]
+        if not ready:
+            return rows, chunk
+        fits = [rc for rc in ready if rc[1] >= chunk]
+        return min(fits, key=lambda rc: (rc[1], rc[0])) if fits else max(ready, key=lambda rc: (rc[1], -rc[0]))
 
     def _decode(self, outputs):
         width = self._pack_slots() if len(self.slot_buckets) > 1 else self.num_slots
-        self.state, out = self.device_loop(width)(self.model.params, self.state)
+        self.state, out = self.device_loop(width, None, True)(self.model.params, self.state)
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
@@ -465,40 +538,36 @@ class Engine:
         self._free(done_slots)
 
     def _emit(self, outputs, req: _Request, ids: list[int]):
-        """Record new tokens; stream their text, holding back any tail that may begin a stop string."""
+        """Record new tokens; stream their text, holding back any tail that may begin a stop string. The work is
+        proportional to the new tokens and text (and the held-back tail), not to the output so far."""
         if req.done or not ids:
             return
         o = self._out(outputs, req)
-        if req.detok is None:
-            req.generated.extend(ids)
-            o.token_ids.extend(ids)
-            return
-        req.detok.add(ids)
-        text, stops = req.detok.text, req.params.stop
-        hit = find_stop(text, stops, req.sent) if stops else None
+        delta = req.detok.add(ids) if req.detok is not None else ""
+        hit = req.stops.feed(delta) if req.stops is not None else None
         if hit is None:
             req.generated.extend(ids)
             o.token_ids.extend(ids)
-            safe = len(text) - held_back(text, stops) if stops else len(text)
-            o.text += text[req.sent : safe]
-            req.sent = max(req.sent, safe)
+            text = req.held + delta
+            safe = len(text) - (req.stops.held if req.stops is not None else 0)
+            o.text += text[:safe]
+            req.held = text[safe:]
             return
         # A stop string: the text ends before it; the ids end with the token that completes it.
-        idx, length = hit
-        keep = max(req.detok.tokens_covering(idx + length), len(req.generated))
+        end, length = hit
+        o.text += (req.held + delta)[: len(req.held) + end - length]
+        req.held = ""
+        keep = max(req.detok.tokens_covering(req.detok.n_chars - len(delta) + end), len(req.generated))
         new_ids = req.detok.ids[len(req.generated) : keep]
         req.generated.extend(new_ids)
         o.token_ids.extend(new_ids)
-        o.text += text[req.sent : idx]
-        req.sent = idx
         self._finish(outputs, req, "stop", flush=False)
 
     def _finish(self, outputs, req: _Request, reason: str, flush: bool = True):
         o = self._out(outputs, req)
         if flush and req.detok is not None:
-            req.detok.flush()
-            o.text += req.detok.text[req.sent :]
-            req.sent = len(req.detok.text)
+            o.text += req.held + req.detok.flush()
+            req.held = ""
         req.done, req.reason = True, reason
         now = time.perf_counter()
         o.finished, o.finish_reason = True, reason
@@ -511,39 +580,40 @@ class Engine:
             self._by_id.pop(req.id, None)
 
     # ---- warm-up --------------------------------------------------------------------------------------------
-    def warmup(self, compile_threads: int | None = None) -> float:
-        """Compile every device function (prefill buckets, the step loops) with no effect on the state.
+    def warmup(self, compile_threads: int | None = None, *, background: bool = False, progress: bool = False,
+               keys=None) -> float:
+        """Compile the device functions (prefill buckets, the step loops) with no effect on the state; returns the
+        seconds until the engine can serve. Each executable's time is logged (``jaxmtp.engine``) and kept in
+        :attr:`executables`; ``progress`` draws compiled n of m, elapsed and ETA on stderr.
+
+        ``background``: compile only :func:`jaxmtp.engine.warmup.serving_keys` now (a sampling loop over all slots,
+        a one-row prefill) and the rest in a daemon thread (:attr:`background`) while no request is in the engine;
+        meanwhile steps and prefills run on compiled substitutes, with the same tokens. ``keys``: compile just these (e.g. what one request needs).
 
         The compiles run ``compile_threads`` at a time (default: one per CPU core, at most 8): each function is
-        lowered (traced) in turn, its XLA compile runs in a thread, and the calls that follow find it compiled. If a
+        lowered (traced) in its thread and XLA compiles in parallel; the calls that follow find it compiled. If a
         compile fails there (concurrent autotuning can run out of device memory beside a large model), a warning
         says so and the calls compile what is left one at a time, as they would without threads."""
         t0 = time.perf_counter()
-        z_calls = []  # (jitted function, arguments after params and state)
-        rows = 1
-        while True:
-            chunk = 16
-            while True:
-                z = jnp.zeros((rows, chunk), jnp.int32)
-                z_calls.append((self._prefill, (jnp.full((rows,), self.num_slots, jnp.int32), z, z - 1, z,
-                                                jnp.zeros((rows,), bool))))
-                if chunk >= self.prefill_chunk:
-                    break
-                chunk = self._chunk_bucket(chunk + 1)
-            if rows >= self.max_prefill_batch:
-                break
-            rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
-        z_calls += [(run, ()) for run in self._loops.values()]
-        lowered = [fn.lower(self.model.params, self.state, *args) for fn, args in z_calls]
+        if keys is None:
+            keys = (_warmup.serving_keys(self.slot_buckets, self.prefill_chunk) if background
+                    else list(self.executables))
+        todo = [self.executables[k] for k in keys if not self.executables[k].ready]
+        self._warmup_plan, self._warmup_t0, self.warmup_seconds = list(keys), t0, None
         workers = compile_threads or min(8, os.cpu_count() or 1)
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(lambda low: low.compile(), lowered))
-        except Exception as e:  # noqa: BLE001 - e.g. concurrent autotuning out of device memory: go on one at a time
+        errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress)
+        if errors:
+            e = errors[0]
             warnings.warn(f"compiling {workers} functions at a time failed ({type(e).__name__}: {str(e)[:200]}); "
                           "compiling the rest one at a time", RuntimeWarning, stacklevel=2)
-        for fn, args in z_calls:  # compiled above: these run them once (a dummy row, or no active slot)
-            self.state, *out = fn(self.model.params, self.state, *args)
+        out = ()
+        for ex in [self.executables[k] for k in keys]:  # compiled above: run each once (a dummy row, or no slot)
+            t = time.perf_counter()
+            self.state, *out = ex.fn(self.model.params, self.state, *ex.args())
+            if not ex.ready:  # its threaded compile failed: this call compiled it
+                jax.block_until_ready(out)
+                ex.seconds, ex.phase = time.perf_counter() - t, _warmup.BEFORE_SERVING
+            self._ready.add(ex.key)
         if len(self.slot_buckets) > 1:
             none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
             self.state = self._move(self.state, none, none)
@@ -555,4 +625,42 @@ class Engine:
         self.state = self._admit(self.state, ids, zi, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
                                  jnp.full((b, self.state.stop_ids.shape[1]), -1, jnp.int32))
         jax.block_until_ready(self.state.length)
-        return time.perf_counter() - t0
+        self.warmup_seconds = time.perf_counter() - t0
+        rest = [ex for ex in self.executables.values() if not ex.ready]
+        if background and rest:
+            self._lazy = True
+            order = _warmup.background_order([ex.key for ex in rest], self.slot_buckets)
+            # Lowering needs only the shapes of params and state: the thread reads them as they stand.
+            self.background = _warmup.BackgroundCompiler(
+                [self.executables[k] for k in order], lambda: (self.model.params, self.state),
+                self._ready.add, idle=lambda: not self.has_work()).start()
+        return self.warmup_seconds
+
+    def keys_for_request(self, prompt_len: int, sampling: bool) -> list[tuple]:
+        """The executables (``warmup(keys=...)``) one request runs alone in the engine: its prompt's one-row
+        prefill chunks and the step loop of the narrowest slot bucket (greedy only, or with ``sampling``)."""
+        keys, left = [], prompt_len
+        while left > 0:
+            chunk = self._chunk_bucket(min(self.prefill_chunk, left))
+            keys.append(_warmup.prefill_key(1, chunk))
+            left -= min(chunk, left)
+        keys.append(_warmup.step_key(self.slot_buckets[0], sampling))
+        return list(dict.fromkeys(keys))
+
+    def warmup_status(self) -> dict:
+        """Where the warm-up stands: ``planned`` / ``done`` executables of the (last) :meth:`warmup` call and its
+        ``seconds`` (so far, or in all once it returned); ``compiled`` of the ``total`` the engine can run, and
+        each compiled one (name, seconds, phase, cache use)."""
+        exs = list(self.executables.values())
+        ready = [ex for ex in exs if ex.ready]
+        seconds = self.warmup_seconds
+        if seconds is None:
+            seconds = 0.0 if self._warmup_t0 is None else time.perf_counter() - self._warmup_t0
+        return {"planned": len(self._warmup_plan), "done": sum(self.executables[k].ready for k in self._warmup_plan),
+                "seconds": seconds, "compiled": len(ready), "total": len(exs),
+                "executables": [ex.as_dict() for ex in ready]}
+
+    def stop_background_compiles(self) -> None:
+        """End the background warm-up after the compile in progress (the engine goes on with what is compiled)."""
+        if self.background is not None:
+            self.background.stop()

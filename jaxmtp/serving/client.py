@@ -24,6 +24,7 @@ The client is thread-safe (one channel, any number of concurrent calls).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Iterator, Sequence
 
@@ -169,16 +170,28 @@ def _code_tuple(number: int):
 
 class Client:
     """A blocking client of one server. ``address`` is ``host:port``; ``timeout`` (seconds) is the default
-    deadline of every call (None: no deadline)."""
+    deadline of every call (None: no deadline). ``api_key`` (default: the ``JAXMTP_API_KEY`` environment variable)
+    is sent as ``authorization: Bearer <key>`` for a server started with ``--api-key``; ``ssl_ca_certfile`` (PEM;
+    default: ``JAXMTP_SSL_CA_CERTFILE``) connects with TLS, trusting that certificate (``""``: the system's roots)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None):
+                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None,
+                 api_key: str | None = None, ssl_ca_certfile: str | None = None):
         self.address = address
         self.timeout = timeout
         self._own = channel is None
-        self.channel = channel or grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        api_key = os.environ.get("JAXMTP_API_KEY") if api_key is None else api_key
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        ca = os.environ.get("JAXMTP_SSL_CA_CERTFILE") if ssl_ca_certfile is None else ssl_ca_certfile
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if channel is None and ca is not None:
+            roots = None
+            if ca:
+                with open(ca, "rb") as f:
+                    roots = f.read()
+            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
+        self.channel = channel or grpc.insecure_channel(address, options=options)
         self._gen = pb.GenerationStub(self.channel)
         self._health = pb.HealthStub(self.channel)
 
@@ -199,7 +212,8 @@ class Client:
     def stream(self, prompt=None, *, timeout: float | None = None, wait_for_ready: bool = False, **kw) -> Stream:
         """Start a streamed generation; see :func:`build_request` for the arguments. Returns a :class:`Stream`."""
         req = build_request(prompt, **kw)
-        call = self._gen.Generate(req, timeout=self._timeout(timeout), wait_for_ready=wait_for_ready)
+        call = self._gen.Generate(req, timeout=self._timeout(timeout), wait_for_ready=wait_for_ready,
+                                  metadata=self._metadata)
         return Stream(call, req.request_id or None)
 
     def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> Completion:
@@ -213,9 +227,11 @@ class Client:
         return s.completion
 
     def abort(self, *request_ids: str, timeout: float | None = None) -> list[str]:
-        """Abort requests by id; returns the ids that were still in flight."""
+        """Abort requests by id; returns the ids that were still in flight (the server also remembers an id not yet
+        in flight for a short while, and ends a request with that id at once if it arrives then)."""
         try:
-            r = self._gen.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._timeout(timeout))
+            r = self._gen.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._timeout(timeout),
+                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise _status_of(e) from None
         return list(r.aborted_ids)
@@ -223,7 +239,8 @@ class Client:
     # ---- information --------------------------------------------------------------------------------------------
     def model_info(self, timeout: float | None = None) -> dict:
         try:
-            return pb.to_dict(self._gen.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout)))
+            return pb.to_dict(self._gen.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout),
+                                                     metadata=self._metadata))
         except grpc.RpcError as e:
             raise _status_of(e) from None
 
@@ -231,7 +248,8 @@ class Client:
         """Server counters: requests (total/active/running/queued/finished by reason/rejected by code), tokens,
         engine iterations and steps, aggregated speculation stats (``spec``), uptime."""
         try:
-            msg = self._gen.GetServerStats(pb.GetServerStatsRequest(), timeout=self._timeout(timeout))
+            msg = self._gen.GetServerStats(pb.GetServerStatsRequest(), timeout=self._timeout(timeout),
+                                           metadata=self._metadata)
         except grpc.RpcError as e:
             raise _status_of(e) from None
         d = pb.to_dict(msg)
@@ -246,10 +264,15 @@ class Client:
             raise _status_of(e) from None
         return pb.health_status_name(r.status)
 
-    def wait_ready(self, timeout: float = 300.0, service: str = "") -> None:
+    def wait_ready(self, timeout: float = 300.0, service: str = "", on_progress=None,
+                   poll_seconds: float = 1.0) -> None:
         """Block until the server reports SERVING (waits for it to come up and warm up); GenerationError
-        DEADLINE_EXCEEDED after ``timeout`` seconds."""
+        DEADLINE_EXCEEDED after ``timeout`` seconds. ``on_progress(info)``: called about every ``poll_seconds``
+        while the server is reachable but warming up, with its ``model_info()`` (``warmup_done`` of
+        ``warmup_planned`` executables compiled, ``warmup_s`` seconds so far), or None while it is unreachable."""
         end = time.monotonic() + timeout
+        if on_progress is not None:
+            return self._poll_ready(end, timeout, service, on_progress, poll_seconds)
         while True:
             left = end - time.monotonic()
             if left <= 0:
@@ -268,6 +291,28 @@ class Client:
                     raise _status_of(e) from None
                 # the server went away between connecting and answering: wait for it again
                 time.sleep(min(0.2, max(left, 0)))
+
+    def _poll_ready(self, end: float, timeout: float, service: str, on_progress, poll_seconds: float) -> None:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise GenerationError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"the server at {self.address} was not SERVING within {timeout} s")
+            try:
+                status = self._health.Check(pb.HealthCheckRequest(service=service), timeout=min(left, 10.0))
+                if status.status == pb.SERVING:
+                    return
+                info = self.model_info(timeout=min(max(end - time.monotonic(), 0.01), 10.0))
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _status_of(e) from None
+                info = None
+            except GenerationError as e:
+                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                info = None
+            on_progress(info)
+            time.sleep(max(0.0, min(poll_seconds, end - time.monotonic())))
 
 
 __all__ = ["Chunk", "Client", "Completion", "GenerationError", "Stream", "build_request"]

@@ -14,6 +14,8 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable
 
 import grpc
@@ -53,6 +55,7 @@ AbortRequest = _message_class("jaxmtp.v1.AbortRequest")
 AbortResponse = _message_class("jaxmtp.v1.AbortResponse")
 GetModelInfoRequest = _message_class("jaxmtp.v1.GetModelInfoRequest")
 ModelInfo = _message_class("jaxmtp.v1.ModelInfo")
+CompiledExecutable = _message_class("jaxmtp.v1.CompiledExecutable")
 GetServerStatsRequest = _message_class("jaxmtp.v1.GetServerStatsRequest")
 ServerStats = _message_class("jaxmtp.v1.ServerStats")
 HealthCheckRequest = _message_class("grpc.health.v1.HealthCheckRequest")
@@ -129,13 +132,66 @@ def method_path(service: str, method: str) -> str:
     return f"/{service}/{method}"
 
 
-def generic_handler(service: str, implementations: dict[str, Callable]) -> grpc.GenericRpcHandler:
-    """A grpc generic handler for ``service`` from ``{method name: callable}`` (sync or asyncio callables)."""
+class MalformedRequest:
+    """What the server's deserializer returns for bytes that are not a valid request message (garbage, invalid UTF-8
+    in a string field): the handler answers INVALID_ARGUMENT instead of gRPC's UNKNOWN and a logged traceback."""
+
+    def __init__(self, message_type: str, error: Exception):
+        self.message = f"the request is not a valid {message_type} message ({type(error).__name__}: {error})"
+
+
+def _tolerant_deserializer(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError or the runtime's own error type: a client error
+            return MalformedRequest(cls.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def _refusing_malformed(fn: Callable, on_malformed: Callable[[MalformedRequest], None] | None) -> Callable:
+    """``fn`` behind a check that answers a :class:`MalformedRequest` with INVALID_ARGUMENT."""
+    def refused(request) -> bool:
+        if isinstance(request, MalformedRequest):
+            if on_malformed is not None:
+                on_malformed(request)
+            return True
+        return False
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def handler(request, context):
+            if refused(request):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await fn(request, context)
+    elif inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def handler(request, context):
+            if refused(request):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for item in fn(request, context):
+                yield item
+    else:
+        @functools.wraps(fn)
+        def handler(request, context):
+            if refused(request):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return fn(request, context)
+    return handler
+
+
+def generic_handler(service: str, implementations: dict[str, Callable],
+                    on_malformed: Callable[[MalformedRequest], None] | None = None) -> grpc.GenericRpcHandler:
+    """A grpc generic handler for ``service`` from ``{method name: callable}`` (sync or asyncio callables).
+    A request that does not parse reaches no callable: ``on_malformed`` (if given) sees it, and the call ends with
+    INVALID_ARGUMENT naming the message type."""
     handlers = {}
     for name, fn in implementations.items():
         req, resp, streaming = METHODS[(service, name)]
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+        handlers[name] = make(_refusing_malformed(fn, on_malformed), request_deserializer=_tolerant_deserializer(req),
+                              response_serializer=resp.SerializeToString)
     missing = {m for (s, m) in METHODS if s == service} - set(handlers)
     if missing:
         raise ValueError(f"no implementation for {service} methods {sorted(missing)}")
@@ -200,7 +256,8 @@ __all__ = [
     "AbortRequest", "AbortResponse", "Chat", "ChatMessage", "Chunk", "Complete", "Error", "FINISH_REASON_ABORT",
     "FINISH_REASON_LENGTH", "FINISH_REASON_STOP", "FINISH_REASON_UNSPECIFIED", "GENERATION_SERVICE",
     "GenerateRequest", "GenerateResponse", "GenerationStub", "GetModelInfoRequest", "GetServerStatsRequest",
-    "HEALTH_SERVICE", "HealthCheckRequest", "HealthCheckResponse", "HealthStub", "METHODS", "ModelInfo",
+    "HEALTH_SERVICE", "HealthCheckRequest", "HealthCheckResponse", "HealthStub", "METHODS", "MalformedRequest",
+    "ModelInfo",
     "NOT_SERVING", "POOL", "SERVICE_UNKNOWN", "SERVING", "SamplingParams", "ServerStats", "SpecStats", "TokenIds",
     "UNKNOWN", "Usage", "finish_reason_name", "finish_reason_value", "generic_handler", "health_status_name",
     "method_path", "to_dict",

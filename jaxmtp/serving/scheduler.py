@@ -8,7 +8,9 @@ per-request sinks without ever waiting on a client.
   per-request deltas, which go to each request's sink (for the asyncio server: ``loop.call_soon_threadsafe`` into
   an ``asyncio.Queue``, which never blocks).
 * ``abort`` (any thread) cancels a request through ``Engine.abort``; the engine frees its slot at the start of the
-  next step, and the engine thread is woken so that this happens at once.
+  next step, and the engine thread is woken so that this happens at once. A client abort of an id that is not in
+  flight is remembered for :data:`RECENT_ABORT_SECONDS` (at most :data:`RECENT_ABORTS` ids), so that a request
+  submitted after its own abort (the two raced) is aborted as soon as it arrives.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 from jaxmtp.engine import Engine, RequestOutput, SpecStats
+from jaxmtp.engine.text import StopMatcher
 from jaxmtp.sampling import SamplingParams
 
 log = logging.getLogger("jaxmtp.serve")
@@ -29,6 +33,9 @@ ABORT_CLIENT = "abort"  # the Abort RPC
 ABORT_CANCELLED = "cancelled"  # the client went away (cancelled its call, disconnected)
 ABORT_DEADLINE = "deadline"  # its deadline passed
 ABORT_SHUTDOWN = "shutdown"  # the drain grace period ended
+
+RECENT_ABORTS = 4096  # client aborts of ids not in flight, remembered ...
+RECENT_ABORT_SECONDS = 30.0  # ... for this long
 
 
 class QueueFullError(Exception):
@@ -58,6 +65,22 @@ class _Entry:
     sink: Callable[[Delivery], None]
     prompt_tokens: int
     abort_reason: str | None = None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token: float | None = None  # when its first output token was handed to its sink
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass
+class FinishedRequest:
+    """What :attr:`Scheduler.on_finish` observers get (times are ``time.perf_counter()`` on the engine thread)."""
+
+    rid: str
+    finish_reason: str  # "stop", "length", or the abort reason ("abort", "cancelled", "deadline", "shutdown")
+    prompt_tokens: int
+    completion_tokens: int
+    submitted: float
+    first_token: float | None
+    finished: float
 
 
 @dataclasses.dataclass
@@ -98,6 +121,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._spec = SpecStats(k=engine.k, accepted_per_position=[0] * engine.k)
         self._steps = 0
+        self._recent_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> expiry
+        # Called on the engine thread for every request that ends (metrics); must be quick and must not raise.
+        self.on_finish: list[Callable[[FinishedRequest], None]] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,9 +142,10 @@ class Scheduler:
 
     # ---- requests (any thread) ----------------------------------------------------------------------------------
     def submit(self, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
-               sink: Callable[[Delivery], None]) -> None:
+               sink: Callable[[Delivery], None], stop_matcher: StopMatcher | None = None) -> None:
         """Queue a request. Raises QueueFullError, DuplicateRequestError, SchedulerClosedError, or ValueError
-        (invalid request: nothing is queued)."""
+        (invalid request: nothing is queued). A request whose id a client aborted moments before is queued aborted:
+        it ends at the next engine iteration with finish reason "abort"."""
         with self._lock:
             if self._closed or self.failure is not None:
                 raise SchedulerClosedError("the engine is not running"
@@ -129,16 +156,22 @@ class Scheduler:
                 raise QueueFullError(
                     f"the server is at capacity: {len(self._entries)} requests in flight "
                     f"({self.engine.num_slots} slots + a queue of {self.max_queue}); retry later")
-            self.engine.add_request(prompt_ids, params, request_id=rid)  # ValueError: nothing queued
-            self._entries[rid] = _Entry(rid, sink, len(prompt_ids))
+            self.engine.add_request(prompt_ids, params, request_id=rid,  # ValueError: nothing queued
+                                    stop_matcher=stop_matcher)
+            entry = self._entries[rid] = _Entry(rid, sink, len(prompt_ids))
             self.counters.requests_total += 1
             self.counters.prompt_tokens_total += len(prompt_ids)
+            if self._recent_aborts.pop(rid, 0.0) > time.monotonic() and self.engine.abort(rid):
+                entry.abort_reason = ABORT_CLIENT
         self._wake.set()
 
     def abort(self, rid: str, reason: str = ABORT_CLIENT) -> bool:
-        """Cancel an in-flight request; False if it is unknown or already finished/aborted."""
+        """Cancel an in-flight request; False if it is unknown or already finished/aborted (a client abort of an id
+        not in flight is remembered briefly: see the module docstring)."""
         with self._lock:
             entry = self._entries.get(rid)
+            if entry is None and reason == ABORT_CLIENT:
+                self._remember_abort(rid)
             if entry is None or entry.abort_reason is not None:
                 return False
             if not self.engine.abort(rid):
@@ -146,6 +179,14 @@ class Scheduler:
             entry.abort_reason = reason
         self._wake.set()
         return True
+
+    def _remember_abort(self, rid: str) -> None:  # under the lock
+        now = time.monotonic()
+        recent = self._recent_aborts
+        while recent and (len(recent) >= RECENT_ABORTS or next(iter(recent.values())) <= now):
+            recent.popitem(last=False)  # the oldest first: expiries are in insertion order
+        recent.pop(rid, None)
+        recent[rid] = now + RECENT_ABORT_SECONDS
 
     def abort_all(self, reason: str) -> list[str]:
         with self._lock:
@@ -205,7 +246,8 @@ class Scheduler:
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        todo = []
+        todo, done = [], []
+        now = time.perf_counter()
         with self._lock:
             self.counters.engine_iterations += 1
             t = self.engine.totals
@@ -216,14 +258,22 @@ class Scheduler:
                 if entry is None:  # not ours (cannot happen: the server owns the engine)
                     continue
                 self.counters.generated_tokens_total += len(o.token_ids)
+                entry.completion_tokens += len(o.token_ids)
+                if o.token_ids and entry.first_token is None:
+                    entry.first_token = now
                 reason = None
                 if o.finished:
                     del self._entries[o.request_id]
                     reason = entry.abort_reason if o.finish_reason == "abort" else None
                     self.counters.requests_finished[reason or o.finish_reason or "unknown"] += 1
+                    done.append(FinishedRequest(entry.rid, reason or o.finish_reason or "unknown", entry.prompt_tokens,
+                                                entry.completion_tokens, entry.submitted, entry.first_token, now))
                 todo.append((entry, Delivery(output=o, abort_reason=reason)))
         for entry, d in todo:
             self._send(entry, d)
+        for f in done:
+            for observe in self.on_finish:
+                observe(f)
 
     def _send(self, entry: _Entry, d: Delivery) -> None:
         try:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
+import os
+import re
 import threading
 import time
 import uuid
@@ -27,6 +30,7 @@ import jax
 
 import jaxmtp
 from jaxmtp.engine import Engine, SpecStats
+from jaxmtp.engine.text import StopMatcher
 from jaxmtp.generation import encode_prompt
 from jaxmtp.loaded_model import Model
 from jaxmtp.sampling import SamplingParams, stop_id_row
@@ -47,6 +51,7 @@ log = logging.getLogger("jaxmtp.serve")
 
 MiB = 1 << 20
 MAX_REQUEST_ID = 256
+_REQUEST_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it is sent back as the x-request-id metadata value
 
 
 @dataclasses.dataclass
@@ -75,10 +80,25 @@ class ServerConfig:
     max_request_seconds: float | None = None
     drain_grace: float = 30.0
     served_model_name: str | None = None
+    background_compile: bool = True  # compile only what serves every request before SERVING, the rest after
+    progress: bool = False  # warm-up progress bar on stderr
+    api_key: str | None = None  # required as metadata "authorization: Bearer <key>" (health calls exempt)
+    ssl_certfile: str | None = None  # TLS: PEM certificate chain and private key (both or neither)
+    ssl_keyfile: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and (not self.api_key or not _REQUEST_ID.fullmatch(self.api_key)
+                                         or self.api_key != self.api_key.strip()):
+            raise ValueError("the API key must be a non-empty string of printable ASCII characters, without "
+                             "leading or trailing spaces")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
         for name in ("max_queue",):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -122,6 +142,42 @@ def _spec_pb(s: SpecStats | None, k: int):
                         accepted_per_position=list(s.accepted_per_position),
                         acceptance_per_position=s.acceptance_per_position,
                         mean_acceptance_length=s.mean_acceptance_length)
+
+
+def _server_credentials(certfile: str, keyfile: str) -> grpc.ServerCredentials:
+    with open(certfile, "rb") as f:
+        chain = f.read()
+    with open(keyfile, "rb") as f:
+        key = f.read()
+    return grpc.ssl_server_credentials([(key, chain)])
+
+
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the metadata ``authorization: Bearer <key>`` with UNAUTHENTICATED (constant-time
+    comparison). The health service stays open, so that load balancers and probes need no key."""
+
+    def __init__(self, key: str, scheduler: Scheduler):
+        self._want = f"Bearer {key}".encode()
+        self._scheduler = scheduler
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{pb.HEALTH_SERVICE}/"):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else bytes(got), self._want):
+            return handler
+        scheduler = self._scheduler
+
+        async def refuse(request, context):
+            scheduler.count_rejection(grpc.StatusCode.UNAUTHENTICATED.name)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send the metadata "
+                                                                 "'authorization: Bearer <key>'")
+
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
+            grpc.unary_unary_rpc_method_handler
+        return make(refuse, request_deserializer=lambda data: None,
+                    response_serializer=handler.response_serializer)
 
 
 class _Health:
@@ -208,17 +264,26 @@ class GenerationServer:
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", max(cfg.max_message_bytes, 4 * MiB)),
                    ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=options)
+        interceptors = [_ApiKeyInterceptor(cfg.api_key, self.scheduler)] if cfg.api_key else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers((
             pb.generic_handler(pb.GENERATION_SERVICE, {
                 "Generate": self._generate, "Abort": self._abort, "GetModelInfo": self._model_info,
-                "GetServerStats": self._stats}),
-            pb.generic_handler(pb.HEALTH_SERVICE, {"Check": self.health.check, "Watch": self.health.watch}),
+                "GetServerStats": self._stats}, on_malformed=self._on_malformed),
+            pb.generic_handler(pb.HEALTH_SERVICE, {"Check": self.health.check, "Watch": self.health.watch},
+                               on_malformed=self._on_malformed),
         ))
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        port = server.add_insecure_port(address)
+        try:
+            if cfg.ssl_certfile:
+                port = server.add_secure_port(address, _server_credentials(cfg.ssl_certfile, cfg.ssl_keyfile))
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as e:  # grpcio >= 1.62 raises where older releases return 0
+            raise OSError(f"could not bind {address}: the port is in use or the address is not available "
+                          f"({e})") from None
         if port == 0:
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"could not bind {address}: the port is in use or the address is not available")
         await server.start()
         self._server, self.port = server, port
         return port
@@ -235,7 +300,8 @@ class GenerationServer:
 
         def work():
             try:
-                seconds = self.engine.warmup()
+                seconds = self.engine.warmup(background=self.config.background_compile,
+                                             progress=self.config.progress)
             except BaseException as e:  # noqa: BLE001 - re-raised in the awaiting coroutine
                 self._loop.call_soon_threadsafe(lambda exc=e: done.done() or done.set_exception(exc))
             else:
@@ -275,6 +341,7 @@ class GenerationServer:
         """Stop the gRPC server (cancelling any remaining calls after ``grace`` s) and the engine thread."""
         self.draining = True
         self.health.set(pb.NOT_SERVING)
+        self.engine.stop_background_compiles()
         if self._server is not None:
             await self._server.stop(grace)
         self.scheduler.abort_all(ABORT_SHUTDOWN)
@@ -343,9 +410,12 @@ class GenerationServer:
         except Exception as e:  # noqa: BLE001 - a Jinja error in the checkpoint's template
             raise ValueError(f"the chat template failed on these messages: {e}") from None
 
-    async def _parse(self, request) -> tuple[list[int], SamplingParams]:
+    async def _parse(self, request) -> tuple[list[int], SamplingParams, StopMatcher | None]:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ValueError(f"request_id is longer than {MAX_REQUEST_ID} characters")
+        if not _REQUEST_ID.fullmatch(request.request_id):
+            raise ValueError("request_id must be printable ASCII (characters 0x20-0x7E): it is sent back as the "
+                             "x-request-id metadata value")
         if request.model and request.model != self.model_name:
             raise ValueError(f"unknown model {request.model!r}: this server serves {self.model_name!r}")
         if request.HasField("num_draft_tokens") and request.num_draft_tokens != self.engine.k:
@@ -362,8 +432,15 @@ class GenerationServer:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than the server's limit of {self.max_prompt_tokens} "
                 f"(the context holds {self.engine.max_context} tokens, prompt and output together)")
-        self.engine.validate(ids, params)
-        return ids, params
+        self.engine.validate(ids, params)  # stop strings within their limits, among the rest
+        matcher = None
+        if params.stop:  # built off the event loop and the engine thread
+            matcher = await asyncio.get_running_loop().run_in_executor(None, StopMatcher, params.stop)
+        return ids, params, matcher
+
+    def _on_malformed(self, request: pb.MalformedRequest) -> None:
+        self.scheduler.count_rejection(grpc.StatusCode.INVALID_ARGUMENT.name)
+        log.debug("rejected a request with INVALID_ARGUMENT: %s", request.message)
 
     async def _reject(self, context, code: grpc.StatusCode, message: str):
         self.scheduler.count_rejection(code.name)
@@ -375,7 +452,7 @@ class GenerationServer:
         try:
             self._check_accepting()
             try:
-                ids, params = await self._parse(request)
+                ids, params, matcher = await self._parse(request)
             except ValueError as e:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except _Rejected as r:
@@ -390,7 +467,7 @@ class GenerationServer:
 
         try:
             self._check_accepting()
-            self.scheduler.submit(rid, ids, params, sink)
+            self.scheduler.submit(rid, ids, params, sink, stop_matcher=matcher)
         except _Rejected as r:
             await self._reject(context, r.code, r.message)
             return
@@ -527,7 +604,17 @@ class GenerationServer:
             num_draft_tokens=e.k, num_slots=e.num_slots, max_context=e.max_context, max_queue=self.config.max_queue,
             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens_limit=self.max_new_tokens_limit,
             default_max_tokens=self.default_max_tokens, max_message_bytes=self.config.max_message_bytes,
-            version=jaxmtp.__version__, backend=jax.default_backend())
+            version=jaxmtp.__version__, backend=jax.default_backend(), **self._warmup_info())
+
+    def _warmup_info(self) -> dict:
+        from jaxmtp.compile_cache import cache_dir
+
+        w = self.engine.warmup_status()
+        return dict(warmup_planned=w["planned"], warmup_done=w["done"], warmup_s=w["seconds"],
+                    executables_total=w["total"], executables_compiled=w["compiled"], executables=[
+                        pb.CompiledExecutable(name=x["name"], seconds=x["seconds"], phase=x["phase"] or "",
+                                              from_cache=bool(x["compiles"]) and x["cache_hits"] >= x["compiles"])
+                        for x in w["executables"]], compile_cache_dir=cache_dir() or "")
 
     async def _model_info(self, request, context):
         return self.model_info()
@@ -592,6 +679,9 @@ class ServerThread:
         self._stopped = True
         try:
             self._call(self.server.stop(), 60)
+            bg = self.server.engine.background
+            if bg is not None:  # let a background compile in progress end (no thread left mid-compile at exit)
+                bg.finished.wait(600)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
