@@ -282,6 +282,7 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply(rng):
     np.testing.assert_array_equal(linear(x, w, policy=big_only, **kw), matmul_reference(x, w))
 
 
+@pytest.mark.slow  # the multi-row kernel path is not a default (kernel_max_rows = 1); 30 s on the CI machine
 def test_model_projections_through_the_kernel(rng, monkeypatch):
     # the small model's weights all qualify by size, and the 2-row decode and 6-row verify use the kernel
     policy = KernelPolicy(min_weight_elements=0, kernel_max_rows=64)
