@@ -45,3 +45,37 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """A JAX persistent compilation cache of the module's own (every executable cached; the previous settings
+    restored afterwards): servers started twice in a module compile once. Returns its directory."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint_factory):
+    """A tiny dense checkpoint (GDN value heads twice the key heads) for the serving and start-up tests."""
+    return checkpoint_factory("dense", hv_ratio=2)[0]
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    """:func:`ckpt` loaded in float32 (a module that needs another model defines its own ``model``)."""
+    import jaxmtp
+
+    return jaxmtp.load(ckpt, dtype="float32", progress=False)

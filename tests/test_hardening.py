@@ -146,31 +146,6 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def ckpt(checkpoint_factory):
-    return checkpoint_factory("dense", hv_ratio=2)[0]
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return jaxmtp.load(ckpt, dtype="float32", progress=False)
-
-
-@pytest.fixture(scope="module")
 def logs():
     """Every log record of the process while this module's servers run (grpc's own loggers included)."""
     handler = _Records()

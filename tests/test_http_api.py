@@ -15,7 +15,6 @@ import socket
 import time
 import urllib.parse
 
-import jax
 import pytest
 from test_chat_template import QWEN_LIKE
 
@@ -133,23 +132,6 @@ def test_parser_edge_cases():
 
 
 # ---- the server ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A JAX persistent compilation cache for this module (restored afterwards)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
 @pytest.fixture(scope="module")
 def model():
     return jaxmtp.load(None, dtype="float32", progress=False)

@@ -15,7 +15,6 @@ import threading
 import time
 
 import grpc
-import jax
 import numpy as np
 import pytest
 from hf_builders import EOS, VOCAB
@@ -32,34 +31,6 @@ LONG = 240  # tokens: a request that holds its slot for many engine iterations
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A JAX persistent compilation cache for this module (restored afterwards)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    old = {k: getattr(jax.config, k) for k in keys}
-    path = str(tmp_path_factory.mktemp("jax_cache"))
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield path
-    for k, v in old.items():
-        jax.config.update(k, v)
-    cc.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def ckpt(checkpoint_factory):
-    return checkpoint_factory("dense", hv_ratio=2)[0]
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return jaxmtp.load(ckpt, dtype="float32", progress=False)
-
-
 @pytest.fixture(scope="module")
 def served(model, compile_cache):
     """The main server, started cold: what health and Generate said before the warm-up is recorded."""

@@ -10,11 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 from hf_builders import EOS
 
-import jaxmtp
 from jaxmtp import compile_cache
 from jaxmtp.engine import Engine
 from jaxmtp.engine import warmup as warmup_mod
@@ -31,16 +29,6 @@ def run(engine, prompts, params):
         for o in engine.step():
             toks[o.request_id] += o.token_ids
     return [toks[r] for r in rids]
-
-
-@pytest.fixture(scope="module")
-def ckpt(checkpoint_factory):
-    return checkpoint_factory("dense", hv_ratio=2)[0]
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return jaxmtp.load(ckpt, dtype="float32", progress=False)
 
 
 # ---- the compilation cache ---------------------------------------------------------------------------------------

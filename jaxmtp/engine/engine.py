@@ -12,7 +12,6 @@ Thread safety: ``add_request`` and ``abort`` may be called from any thread; ``st
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
