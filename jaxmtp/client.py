@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the server to start and warm up (SERVING), showing its warm-up "
                          f"progress on stderr (default {DEFAULT_WAIT:.0f}: a first start's compile on a small CPU; "
                          "0: do not wait)")
+    ap.add_argument("--api-key", default=None, help="the server's --api-key (default: $JAXMTP_API_KEY)")
+    ap.add_argument("--ssl-ca-certfile", default=None,
+                    help="connect with TLS, trusting this PEM certificate (default: $JAXMTP_SSL_CA_CERTFILE)")
     ap.add_argument("--quiet", action="store_true", help="no warm-up progress and no summary on stderr")
     ap.add_argument("--info", action="store_true", help="print model info, server stats and health as JSON, exit")
     ap.add_argument("--no-echo", action="store_true", help="do not print the prompt before the output")
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     from jaxmtp.serving.client import Client, GenerationError
 
     address = args.address or (f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}")
-    with Client(address) as client:
+    with Client(address, api_key=args.api_key, ssl_ca_certfile=args.ssl_ca_certfile) as client:
         try:
             if args.wait > 0:
                 client.wait_ready(timeout=args.wait, on_progress=None if args.quiet else WaitProgress(address))

@@ -340,6 +340,12 @@ def test_api_key_and_tls(model, compile_cache, tmp_path, monkeypatch):
                     with pytest.raises(GenerationError) as e:
                         call()
                     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.message
+        # the command-line client takes both flags (token ids: the test model has no tokenizer)
+        from jaxmtp.client import main as client_main
+
+        argv = ["--address", address, "--token-ids", "1,2,3", "--max-tokens", "2", "--quiet", "--wait", "30"]
+        assert client_main(argv + ["--api-key", "s3cret-key", "--ssl-ca-certfile", certfile]) == 0
+        assert client_main(argv + ["--api-key", "wrong", "--ssl-ca-certfile", certfile]) != 0
         monkeypatch.setenv("JAXMTP_API_KEY", "s3cret-key")  # the client's default
         monkeypatch.setenv("JAXMTP_SSL_CA_CERTFILE", certfile)
         with Client(address, timeout=60) as c:
