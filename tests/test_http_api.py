@@ -12,10 +12,10 @@ import http.client
 import json
 import random
 import socket
-import time
 import urllib.parse
 
 import pytest
+from polling import idle, wait_until
 from test_chat_template import QWEN_LIKE
 
 import jaxmtp
@@ -182,18 +182,6 @@ def grpc_client(served):
 
 def reference(model, prompt, **kw):
     return jaxmtp.generate(model, prompt, **REF_KW, **kw)
-
-
-def wait_until(pred, timeout=60.0, what="condition"):
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def idle(grpc_client):
-    wait_until(lambda: grpc_client.stats()["requests_active"] == 0, what="the server to go idle")
 
 
 def metrics(base) -> dict:

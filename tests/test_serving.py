@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import numpy as np
 import pytest
+from polling import idle, wait_until
 from hf_builders import EOS, VOCAB
 
 import jaxmtp
@@ -97,19 +97,6 @@ def make_server(model, compile_cache):
 def reference(model, prompt, **kw):
     """``jaxmtp.generate`` (the library call) for one prompt or a batch (prompt i of a batch uses seed + i)."""
     return jaxmtp.generate(model, prompt, **REF_KW, **kw)
-
-
-def wait_until(pred, timeout=60.0, what="condition"):
-    """Poll ``pred`` until it holds (server state observed through the stats call)."""
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def idle(client):
-    wait_until(lambda: client.stats()["requests_active"] == 0, what="the server to go idle")
 
 
 def collect(stream):
