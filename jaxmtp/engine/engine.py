@@ -199,8 +199,7 @@ class Engine:
                                                            backend=backend, sampling=sampling)), donate_argnums=1)
 
         # Each width twice: greedy only, and with sampling. The greedy loop has no sampling conditional, whose
-        # predicate costs a host round trip inside every plain step on GPUs (which made the plain batch-1 step 2.5%
-        # (4B) to 12% (0.8B) slower on an H100; docs/engine.md).
+        # predicate costs a host round trip inside every plain step on GPUs (docs/engine.md has the measurement).
         self._loops = {(w, sampling): loop(w, sampling) for w in self.slot_buckets for sampling in (False, True)}
         # Every shape the engine can run (jaxmtp.engine.warmup). After warmup(background=True) the calls use only
         # the compiled ones (``_ready``), substituting a wider bucket or the sampling loop until the rest are done.
