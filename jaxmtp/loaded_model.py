@@ -39,6 +39,21 @@ class Model:
     generation_config: dict = dataclasses.field(default_factory=dict)
     chat_template: str | None = None
     load_info: dict = dataclasses.field(default_factory=dict)  # weight bytes, peak device bytes during the load
+    # tensor parallelism (jaxmtp.parallel): the mesh and the rank's config; params then stacked [tp, ...] per leaf
+    layout: Any = None
+
+    @property
+    def run_config(self) -> Qwen35Config:
+        """The config the device functions run with: one rank's (heads and widths over the TP degree) when
+        sharded, else :attr:`config`."""
+        return self.layout.local_config if self.layout is not None else self.config
+
+    def device_function(self, fn, in_specs: tuple, out_specs):
+        """``fn(params, *args)`` as the device runs it: as is on one device; on a sharded model inside the mesh's
+        ``shard_map`` (:meth:`jaxmtp.parallel.ParallelLayout.shard_map`, ``in_specs`` for the args after params)."""
+        if self.layout is None:
+            return fn
+        return self.layout.shard_map(fn, in_specs, out_specs)
 
     # ---- ids helpers --------------------------------------------------------------------------------------------
     @property
@@ -60,24 +75,35 @@ class Model:
     # ---- full forwards (testing / scoring) ------------------------------------------------------------------------
     @functools.cached_property
     def _logits_fn(self):
-        fwd = functools.partial(forward, cfg=self.config, backend=self.backend)
+        from jax.sharding import PartitionSpec as P
 
-        @jax.jit
+        cfg = self.run_config
+
         def run(params, tokens):
             b, t = tokens.shape
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            carry = init_carry(self.config, b, t, self.dtype)
-            logits, hidden, _ = fwd(params, tokens, positions, carry)
+            carry = init_carry(cfg, b, t, self.dtype)
+            logits, hidden, _ = forward(params, tokens, positions, carry, cfg=cfg, backend=self.backend)
             return logits, hidden
 
-        return run
+        logits_spec = self.layout.logits_spec(3) if self.layout is not None else None
+        return jax.jit(self.device_function(run, (P(),), (logits_spec, P())))
 
     @functools.cached_property
-    def _draft_fn(self):
-        cfg = self.config
+    def _draft_fns(self) -> dict:
+        return {}
 
-        @functools.partial(jax.jit, static_argnums=3)
-        def run(params, tokens, hidden, exact_head):
+    def _draft_fn(self, exact_head: bool):
+        if exact_head not in self._draft_fns:
+            self._draft_fns[exact_head] = self._make_draft_fn(exact_head)
+        return self._draft_fns[exact_head]
+
+    def _make_draft_fn(self, exact_head: bool):
+        from jax.sharding import PartitionSpec as P
+
+        cfg = self.run_config
+
+        def run(params, tokens, hidden):
             if exact_head:
                 params = {k: v for k, v in params.items() if k != "draft_head"}
             b, t = tokens.shape
@@ -87,7 +113,9 @@ class Model:
                                        backend=self.backend)
             return draft_vocab_logits(params, logits, cfg.vocab_size)
 
-        return run
+        lm_head_logits = exact_head or "draft_head" not in self.params  # else the replicated draft head's
+        spec = self.layout.logits_spec(3) if self.layout is not None and lm_head_logits else P()
+        return jax.jit(self.device_function(run, (P(), P()), spec))
 
     def logits(self, token_ids) -> np.ndarray:
         """Float32 logits ``[B, T, V]`` of a full forward from an empty carry over ``token_ids [B, T]``."""
@@ -106,7 +134,7 @@ class Model:
         if tokens.shape[1] < 2:
             raise ValueError("draft_logits needs at least 2 tokens per row")
         _, hidden = self._logits_fn(self.params, tokens)
-        return np.asarray(self._draft_fn(self.params, tokens, hidden, bool(exact_head)), np.float32)
+        return np.asarray(self._draft_fn(bool(exact_head))(self.params, tokens, hidden), np.float32)
 
     def _as_batch(self, token_ids) -> jnp.ndarray:
         try:
@@ -172,7 +200,8 @@ def resolve_dtype(dtype="auto"):
 
 def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Backend" = "auto",
          progress: bool = True, int8_draft_head: bool = True, draft_vocab=None,
-         draft_head_bits: int | None = None, memory_fraction: float | None = None) -> Model:
+         draft_head_bits: int | None = None, memory_fraction: float | None = None, tensor_parallel_size: int = 1,
+         mesh=None, tensor_parallel_reduce: str = "psum") -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"``,
@@ -192,6 +221,13 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     (:func:`jaxmtp.engine.memory.set_memory_fraction`). The layout is built on the host and placed once, so the
     device never holds two copies of the weights; ``model.load_info`` has the weight bytes and the peak device bytes
     during the load (measured where the device reports it).
+
+    ``tensor_parallel_size`` (vLLM's name): split the model over that many devices, taken in order (or over ``mesh``,
+    a ``jax.sharding.Mesh`` with the one axis ``"tp"``): attention and Gated DeltaNet heads, MLP widths and MoE experts
+    per rank, the LM head over the vocabulary (:mod:`jaxmtp.parallel`; docs/engine.md). ``load_info`` then counts
+    one device's bytes. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a fixed order, so that
+    every TP degree gives the same bits as ``tensor_parallel_size=1`` in that mode (slower; for tests and
+    debugging); the default ``"psum"`` is the fast all-reduce.
     """
     from jaxmtp.compile_cache import enable_compile_cache
     from jaxmtp.engine.memory import set_memory_fraction
@@ -209,6 +245,12 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     check_draft_head_options(int8_draft_head, draft_head_bits)
+    sharded = mesh is not None or tensor_parallel_size != 1 or tensor_parallel_reduce != "psum"
+    if sharded:  # an impossible layout is refused before any weight is read
+        from jaxmtp.parallel import make_layout
+
+        layout = make_layout(Qwen35Config.from_pretrained(path), tensor_parallel_size, mesh=mesh,
+                             reduce=tensor_parallel_reduce)
     ids = None
     if draft_vocab is not None or draft_head_bits == 4:  # checked before any weight is read
         cfg0 = Qwen35Config.from_pretrained(path)
@@ -227,9 +269,18 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
     backend = resolve_backend(backend, cfg, dtype)
     # The serving layout is built on the host (numpy), then placed once: the device never holds the weights twice.
-    params = serving_layout(_to_host(params), draft_head=int8_draft_head, draft_vocab=ids,
-                            draft_head_bits=draft_head_bits, backend=backend)
-    params, load_info = _place(params)
+    options = dict(draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits, backend=backend)
+    if sharded:
+        from jaxmtp.parallel import sharded_serving_params
+
+        params = sharded_serving_params(_to_host(params), cfg, layout, **options)
+        backend = layout.backend(backend)
+        from jaxmtp.parallel import device_bytes
+
+        load_info = _load_info(device_bytes(params), layout.mesh.devices.flat[0])
+    else:
+        layout = None
+        params, load_info = _place(serving_layout(_to_host(params), **options))
     return Model(
         config=cfg,
         params=params,
@@ -240,6 +291,7 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         chat_template=_chat_template(path),
         load_info=load_info,
+        layout=layout,
     )
 
 
@@ -250,21 +302,25 @@ def _to_host(params):
 
 
 def _place(params):
-    """``jax.device_put`` leaf by leaf; returns (device params, ``{"weight_bytes", "peak_device_bytes"}``): the
-    allocator's peak during the load where the device reports it (GPUs), else the weights' bytes (what the device
-    holds at most, with the layout built on the host)."""
-    from jaxmtp.param_layout import weight_bytes
-
+    """``jax.device_put`` leaf by leaf; returns (device params, :func:`_load_info`)."""
     leaves, tree = jax.tree_util.tree_flatten(params)
     placed = []
     for leaf in leaves:
         placed.append(jax.device_put(leaf))
     params = jax.tree_util.tree_unflatten(tree, placed)
-    total = weight_bytes(params)
+    from jaxmtp.param_layout import weight_bytes
+
+    return params, _load_info(weight_bytes(params), jax.devices()[0])
+
+
+def _load_info(total: int, device) -> dict:
+    """``{"weight_bytes", "peak_device_bytes", ...}`` of one device (``device``, holding ``total`` bytes of
+    weights): the allocator's peak during the load where the device reports it (GPUs), else the weights' bytes (what
+    the device holds at most, with the layout built on the host)."""
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - backends without memory statistics
         stats = {}
     peak = stats.get("peak_bytes_in_use")
-    return params, {"weight_bytes": total, "peak_device_bytes": int(peak) if peak else total,
-                    "peak_measured": bool(peak), "bytes_limit": stats.get("bytes_limit")}
+    return {"weight_bytes": total, "peak_device_bytes": int(peak) if peak else total,
+            "peak_measured": bool(peak), "bytes_limit": stats.get("bytes_limit")}

@@ -23,6 +23,7 @@ from jaxmtp.layers.attention import KVCache, take_rows
 from jaxmtp.model import Carry, Params, decoder_layer, lm_head, select_logits
 from jaxmtp.pallas import ops
 from jaxmtp.pallas.backend import XLA, Backend
+from jaxmtp.pallas.collectives import vocab_argmax
 from jaxmtp.param_layout import has_quantized_mtp
 
 
@@ -67,7 +68,9 @@ def draft_ids(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.
     """``draft_tokens(params, draft_head(params, hidden, backend))`` for hidden [..., H]: int32 ids [...]. A quantised
     head takes the argmax with its product (on the GPU an int4 head then never writes the logits), the same ids."""
     dh = params.get("draft_head")
-    if dh is None or "scale" not in dh:
+    if dh is None:  # the LM head: vocabulary-parallel under tensor parallelism
+        return vocab_argmax(lm_head(params, hidden, backend), backend.parallel)
+    if "scale" not in dh:
         return draft_tokens(params, draft_head(params, hidden, backend))
     return _vocab_ids(params, ops.quantized_head_argmax(hidden, dh["weight"], dh["scale"], backend))
 

@@ -195,16 +195,36 @@ def serving_layout(params: dict, *, draft_head: bool = True, draft_vocab=None,
     (default: ``draft_head`` and :func:`quantizes_mtp` for ``backend``). In place; contradictory draft-head settings
     are refused first (:func:`check_draft_head_options`)."""
     check_draft_head_options(draft_head, draft_head_bits)
-    fuse_projections(params)
-    set_output_layout(params, transposes_outputs(backend))
+    head = serving_draft_head(params, draft_head=draft_head, draft_vocab=draft_vocab, draft_head_bits=draft_head_bits,
+                              backend=backend)
     if quantize_mtp_layer is None:
         quantize_mtp_layer = draft_head and quantizes_mtp(backend)
+    layer_layout(params, backend, quantize_mtp_layer)
+    if head is not None:
+        params["draft_head"] = head
+    return params
+
+
+def layer_layout(params: dict, backend=None, quantize_mtp_layer: bool = False) -> dict:
+    """The serving layout's per-layer part, in place: :func:`fuse_projections`, :func:`set_output_layout` as
+    ``backend`` wants it, and :func:`quantize_mtp` when ``quantize_mtp_layer``. A tensor-parallel rank's tree
+    (:func:`jaxmtp.parallel.shard_native`) takes it as is."""
+    fuse_projections(params)
+    set_output_layout(params, transposes_outputs(backend))
     if quantize_mtp_layer:
         quantize_mtp(params)
-    if "mtp" in params and (draft_head or draft_vocab is not None):
-        bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)
-        add_draft_head(params, ids=draft_vocab, bits=bits if draft_head else None)
     return params
+
+
+def serving_draft_head(params: dict, *, draft_head: bool = True, draft_vocab=None, draft_head_bits: int | None = None,
+                       backend=None) -> dict | None:
+    """The ``draft_head`` entry :func:`serving_layout` adds (built from the whole LM head of the native ``params``),
+    or None where none is asked for or there is no MTP head."""
+    if "mtp" not in params or not (draft_head or draft_vocab is not None):
+        return None
+    bits = draft_head_bits or default_draft_head_bits(params["embed_tokens"].shape[1], backend)
+    src = {k: params[k] for k in ("lm_head", "embed_tokens") if k in params}
+    return add_draft_head(src, ids=draft_vocab, bits=bits if draft_head else None)["draft_head"]
 
 
 def native_layout(params: dict, cfg) -> dict:

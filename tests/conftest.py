@@ -19,8 +19,10 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if os.environ["JAX_PLATFORMS"] == "cpu":
         # The CPU suite runs tiny models whose run time is negligible next to XLA compilation: compile fast.
+        # 8 CPU devices for the tensor-parallel tests (tests/test_parallel.py); the rest run on the first.
         os.environ.setdefault("XLA_FLAGS",
-                              "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+                              "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                              "--xla_force_host_platform_device_count=8")
     import jax
 
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])

@@ -82,19 +82,22 @@ def build_hf_model(kind: str, seed: int = 0, **kw):
 
     torch.manual_seed(seed)
     moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=28)
+    moe.update({name: kw.pop(name) for name in list(kw) if name in moe})
+    intermediate = kw.pop("intermediate_size", 72)
     if kind == "dense":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=72, **text_kwargs(**kw)))
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=intermediate, **text_kwargs(**kw)))
     elif kind == "moe":
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**moe, **text_kwargs(**kw)))
     elif kind == "next":
         kw.setdefault("mlp_only_layers", [1])
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(intermediate_size=72, **moe, **text_kwargs(**kw)))
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(intermediate_size=intermediate, **moe, **text_kwargs(**kw)))
     elif kind == "cond":
         tie = kw.pop("tie", False)
         text = text_kwargs(tie=tie, **kw)
         vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text["hidden_size"])
         model = Qwen3_5ForConditionalGeneration(
-            Qwen3_5Config(text_config=dict(intermediate_size=72, **text), vision_config=vision, tie_word_embeddings=tie)
+            Qwen3_5Config(text_config=dict(intermediate_size=intermediate, **text), vision_config=vision,
+                          tie_word_embeddings=tie)
         )
     else:
         raise ValueError(kind)

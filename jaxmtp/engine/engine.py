@@ -24,12 +24,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_num_draft_tokens
 from jaxmtp.param_layout import weight_bytes
+from jaxmtp.parallel import device_bytes, state_specs
 from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_strings
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
@@ -164,12 +166,24 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.steps_per_sync = steps_per_sync
         self.max_prefill_batch = max_prefill_batch or min(num_slots, 8)
-        self.plan = memory_plan(cfg, num_slots, max_context, self.k, model.dtype, weights=weight_bytes(model.params))
+        layout = model.layout  # tensor parallelism (jaxmtp.parallel): the device functions run one rank's shapes
+        run_cfg = model.run_config
+        weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
+        # one device's bytes: a rank's heads and widths, its share of the weights
+        self.plan = memory_plan(run_cfg, num_slots, max_context, self.k, model.dtype, weights=weights)
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
             raise EngineConfigError(f"oracle_probs needs k + 1 = {self.k + 1} entries")
-        self.state = steps.init_state(cfg, num_slots, max_context + self.k, self.k, model.dtype, oracle_probs)
+        init = functools.partial(steps.init_state, slots=num_slots, capacity=max_context + self.k, k=self.k,
+                                 dtype=model.dtype, oracle_probs=oracle_probs)
+        if layout is None:
+            self.state = init(cfg=cfg)
+            state_out = None
+        else:  # made in place on the mesh: no device ever holds another rank's carry
+            specs = state_specs(jax.eval_shape(lambda: init(cfg=layout.state_config())))
+            state_out = jax.tree.map(layout.sharding, specs)
+            self.state = jax.jit(lambda: init(cfg=layout.state_config()), out_shardings=state_out)()
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -182,21 +196,29 @@ class Engine:
                 return fn(*a, **kw)
             return wrapper
 
-        self._admit = jax.jit(counted("admit", steps.admit), donate_argnums=0)
-        self._deactivate = jax.jit(counted("deactivate", steps.deactivate), donate_argnums=0)
-        self._set_oracle = jax.jit(steps.set_oracle_row, donate_argnums=0)
-        self._prefill = jax.jit(counted("prefill", functools.partial(steps.prefill_chunk, cfg=cfg, k=self.k,
-                                                                     backend=backend)), donate_argnums=1)
+        # slot bookkeeping: elementwise over the slot axis, partitioned by XLA on a sharded state
+        slot_jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=state_out)
+        self._admit = slot_jit(counted("admit", steps.admit))
+        self._deactivate = slot_jit(counted("deactivate", steps.deactivate))
+        self._set_oracle = slot_jit(steps.set_oracle_row)
+        prefill = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend)
+        if layout is not None:  # the model's functions run inside the mesh's shard_map
+            s_spec, rep = state_specs(self.state), P()
+            prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep))
+        self._prefill = jax.jit(counted("prefill", prefill), donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
-        self._move = jax.jit(counted("move", steps.move_slots), donate_argnums=0)
+        self._move = slot_jit(counted("move", steps.move_slots))
 
         def loop(width, sampling):
             name = ("step" if width == num_slots else f"step[{width}]") + ("+sampling" if sampling else "")
             run = steps.run_steps if width == num_slots else functools.partial(steps.run_steps_on_prefix, n=width)
-            return jax.jit(counted(name, functools.partial(run, cfg=cfg, k=self.k, num_steps=steps_per_sync,
-                                                           backend=backend, sampling=sampling)), donate_argnums=1)
+            fn = functools.partial(run, cfg=run_cfg, k=self.k, num_steps=steps_per_sync, backend=backend,
+                                   sampling=sampling)
+            if layout is not None:
+                fn = layout.shard_map(fn, (s_spec,), (s_spec, rep))
+            return jax.jit(counted(name, fn), donate_argnums=1)
 
         # Each width twice: greedy only, and with sampling. The greedy loop has no sampling conditional, whose
         # predicate costs a host round trip inside every plain step on GPUs (docs/engine.md has the measurement).

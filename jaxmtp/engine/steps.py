@@ -29,7 +29,8 @@ from jaxmtp.config import Qwen35Config
 from jaxmtp.model import commit_window, forward, init_carry, lm_head, reset_slots
 from jaxmtp.mtp import chosen_ids, draft_pass_input, init_mtp_carry, mtp_forward
 from jaxmtp.pallas import Backend
-from jaxmtp.sampling import MAX_STOP_IDS, greedy_tokens, sample_tokens
+from jaxmtp.pallas.collectives import gather_vocab, vocab_argmax
+from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
 
 NONE, STOP, LENGTH = 0, 1, 2  # finish reasons on the device
 
@@ -146,6 +147,17 @@ def _finish(tokens, n, generated, max_gen, stop_ids):
     return jnp.where(finished, first + 1, n).astype(jnp.int32), finished, reason
 
 
+def choose_tokens(logits, temperature, top_k, top_p, seed_lo, seed_hi, index, backend: Backend,
+                  sampling: bool = True):
+    """The target's token at each (row, position) from logits [B, T, V] (:func:`jaxmtp.sampling.sample_tokens`;
+    ``sampling=False``: greedy only). A vocabulary-parallel head's logits are this rank's [B, T, V / tp]: greedy ids
+    come from the ranks' (max, id) pairs, sampling gathers the logits first (:mod:`jaxmtp.pallas.collectives`)."""
+    tp = backend.parallel
+    if sampling:
+        return sample_tokens(gather_vocab(logits, tp), temperature, top_k, top_p, seed_lo, seed_hi, index)
+    return vocab_argmax(logits, tp)
+
+
 def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backend):
     """Draft 1 from the first pass's hidden h1 [B, H] and its head's ``choice`` (``mtp_forward(logits="choice")``),
     then recursive MTP steps 2..k (token d_{i}, MTP hidden, position new_length + i - 1; each pass's input formed
@@ -178,8 +190,9 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
     generated0 = jnp.zeros_like(n_valid)
-    first = sample_tokens(lm_head(params, h_last, backend)[:, None], row(state.temperature), row(state.top_k),
-                          row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None])[:, 0]
+    first = choose_tokens(lm_head(params, h_last, backend)[:, None], row(state.temperature), row(state.top_k),
+                          row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None],
+                          backend)[:, 0]
     prompt_len = jnp.max(positions, axis=1) + 1
     new_state = state.replace(carry=_put(state.carry, slots, carry))
 
@@ -218,10 +231,8 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     logits, hidden, carry = forward(params, tokens, pos, state.carry, cfg=cfg, logits="all", step_states=k > 0,
                                     backend=backend)
     index = state.generated[:, None] + jnp.arange(k + 1)
-    if sampling:
-        t = sample_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index)
-    else:
-        t = greedy_tokens(logits)
+    t = choose_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index,
+                      backend, sampling)
     if k > 0:
         a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
         n = a + 1

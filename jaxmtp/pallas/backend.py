@@ -13,13 +13,15 @@ import dataclasses
 import jax
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.collectives import SINGLE, TensorParallel
 from jaxmtp.pallas.policy import DEFAULT_POLICY, KernelPolicy, policy_fields
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """Implementation per op: ``"xla"`` (jnp reference) or a kernel name understood by the op's dispatcher; and the
-    :class:`jaxmtp.pallas.policy.KernelPolicy` every op consults for thresholds and tiles."""
+    """Implementation per op: ``"xla"`` (jnp reference) or a kernel name understood by the op's dispatcher; the
+    :class:`jaxmtp.pallas.policy.KernelPolicy` every op consults for thresholds and tiles; and the tensor-parallel
+    setting (:class:`jaxmtp.pallas.collectives.TensorParallel`) the ops that end a block reduce with."""
 
     attention: str = "xla"
     gdn_chunk: str = "xla"
@@ -39,6 +41,9 @@ class Backend:
     # output channel (jaxmtp.quantize.quantize_mtp; drafts only, outputs unchanged), run by the quantised kernels
     mtp_matmul: str = "xla"
     policy: KernelPolicy = DEFAULT_POLICY
+    # tensor parallelism: the ranks the step is split over and how row-parallel products are summed across them
+    # (jaxmtp.pallas.collectives; set by jaxmtp.parallel for a sharded model, one device otherwise)
+    parallel: TensorParallel = SINGLE
 
     def uses_kernel(self, op: str) -> bool:
         """Whether ``op`` (a field name) runs a Triton kernel (or its interpreter)."""
@@ -54,7 +59,7 @@ def override_backend(backend: Backend, spec: str) -> Backend:
     unknown name is a ValueError that lists the names."""
     if not spec:
         return backend
-    ops = {f.name for f in dataclasses.fields(Backend)} - {"policy"}
+    ops = {f.name for f in dataclasses.fields(Backend)} - {"policy", "parallel"}
     knobs = set(policy_fields())
     fields, policy = {}, {}
     for item in spec.split(","):

@@ -10,6 +10,10 @@ Two lazy values let an op hand work to the op that consumes its result, where on
 
 A block's output product returns float32 split-K partials (:class:`jaxmtp.pallas._common.SplitSum`) only to
 :func:`output_add_norm`, whose add + norm kernel sums them.
+
+Under tensor parallelism (``backend.parallel``, :mod:`jaxmtp.pallas.collectives`) the ops that end a block are the
+ones that communicate: :func:`output_product` sums its row-parallel product over the ranks, :func:`moe_experts`
+runs the rank's experts only, :func:`tp_sum` finishes an MoE layer's one reduction.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jaxmtp.pallas import gated_delta_rule as _gdr
 from jaxmtp.pallas import matmul as _matmul
 from jaxmtp.pallas import moe as _moe
 from jaxmtp.pallas import norms as _norms
+from jaxmtp.pallas import collectives as _collectives
 from jaxmtp.pallas._common import SplitSum, dense
 from jaxmtp.pallas.backend import Backend
 from jaxmtp.pallas.gated_delta_rule.mixer_reference import gdn_mixer_reference
@@ -96,16 +101,41 @@ def linear(x, w, backend: Backend, *, transpose_w: bool = False, out_dtype=None)
     return _matmul.linear(x, w, transpose_w=transpose_w, out_dtype=out_dtype, implementation=impl, policy=policy)
 
 
-def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = False, partials: bool = False):
+def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = False, partials: bool = False,
+                   reduce: bool = True):
     """A block's output product ``a @ W`` [..., N] (o_proj, out_proj, down_proj): ``w`` stored ``[K, N]``, or ``[N, K]``
     when ``transposed`` (the one-row output kernels, :func:`jaxmtp.pallas.matmul.output_linear`), or quantised.
     ``swiglu``: a is a gate|up output [..., >= 2K] and the product's input its SwiGLU. ``partials``: the result may be
-    a :class:`SplitSum` (for :func:`add_rms_norm`)."""
+    a :class:`SplitSum` (for :func:`add_rms_norm`). Under tensor parallelism W is row-parallel: the result is summed
+    over the ranks (``reduce=False``: left as this rank's partial for :func:`tp_sum`, in the psum mode)."""
+    tp = backend.parallel
+    kdim = (w["weight"].shape[1] if is_quantized(w) else w.shape[1] if transposed else w.shape[0])
+    if tp.active and tp.fixed:  # the exact mode: fixed K slices summed in one tree over every rank
+        a = swiglu_reference(a, kdim) if swiglu else a
+        if is_quantized(w):
+            w = (w["weight"].astype(jnp.float32) * w["scale"].astype(jnp.float32)[:, None]).T
+        elif transposed:
+            w = w.T
+        return _collectives.fixed_product(a, w.astype(a.dtype), tp).astype(a.dtype)
     if transposed:
-        return _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul, partials=partials,
-                                     policy=backend.policy)
-    kdim = w["weight"].shape[1] if is_quantized(w) else w.shape[0]
-    return linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
+        y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
+                                  partials=partials or tp.active, policy=backend.policy)
+    else:
+        y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
+    if not tp.active:
+        return y
+    dtype = y.dtype
+    y = jnp.sum(y.parts, axis=0) if isinstance(y, SplitSum) else y.astype(jnp.float32)
+    return _collectives.reduce_sum(y, tp, dtype) if reduce else y.astype(dtype)
+
+
+def tp_sum(y, backend: Backend):
+    """``y`` summed over the tensor-parallel ranks in the psum mode (an MoE layer's routed + shared partials); as it
+    is on one device and in the fixed mode, whose products reduce themselves."""
+    tp = backend.parallel
+    if not tp.active or tp.fixed:
+        return y
+    return _collectives.reduce_sum(dense(y), tp)
 
 
 def output_add_norm(a, w, transposed: bool, residual, norm_weight, eps: float, backend: Backend, *, consumer=None):
@@ -115,7 +145,8 @@ def output_add_norm(a, w, transposed: bool, residual, norm_weight, eps: float, b
     product and h is left as a :class:`NormedRows` for the consumer's product to form; elsewhere the product hands
     its split-K partials to the add + norm kernel."""
     impl, policy, rows = backend.matmul, backend.policy, _rows(a)
-    if (consumer is not None and not transposed and _matmul.layer_gemv_applies(rows, w, impl, policy)
+    if (consumer is not None and not transposed and not backend.parallel.active
+            and _matmul.layer_gemv_applies(rows, w, impl, policy)
             and _matmul.layer_gemv_applies(rows, consumer, impl, policy) and a.shape[-1] == w["weight"].shape[1]):
         r = _matmul.layer_gemv(a, w, implementation=impl, residual=residual)
         return r, normed(r, norm_weight, eps)
@@ -123,21 +154,23 @@ def output_add_norm(a, w, transposed: bool, residual, norm_weight, eps: float, b
     return add_rms_norm(residual, y, norm_weight, eps, backend)
 
 
-def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Backend, *, partials: bool = False):
+def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Backend, *, partials: bool = False,
+               reduce: bool = True):
     """``down(silu(gate(x)) * up(x))`` [..., H] from the fused gate|up weight (gate columns ``[0, width)``, up
     ``[width, 2 width)``). x [..., H] or a :class:`NormedRows`. With a transposed floating down_proj the output kernel
     forms the SwiGLU; with the int8 MTP layer's one-row kernel the gate|up product forms it (and the norm); elsewhere
-    XLA does. ``partials``: the result may be a :class:`SplitSum`."""
+    XLA does. ``partials``: the result may be a :class:`SplitSum`; ``reduce``: as :func:`output_product`."""
     impl, policy = backend.matmul, backend.policy
     if down_transposed:
-        return output_product(linear(x, gate_up, backend), down, True, backend, swiglu=True, partials=partials)
+        return output_product(linear(x, gate_up, backend), down, True, backend, swiglu=True, partials=partials,
+                              reduce=reduce)
     if is_quantized(gate_up) and _matmul.layer_swiglu_applies(x.shape, gate_up, width, impl, policy):
         norm = (x.weight, x.eps) if isinstance(x, NormedRows) else None
         act = _matmul.layer_gemv(x.x if norm else x, gate_up, implementation=impl, norm=norm, glu_width=width)
     else:
         y = linear(x, gate_up, backend)
         act = jax.nn.silu(y[..., :width]) * y[..., width : 2 * width]
-    return output_product(act, down, False, backend, partials=partials)
+    return output_product(act, down, False, backend, partials=partials, reduce=reduce)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,8 +229,23 @@ def commit_windows(k, v, g, beta, states, n_tokens, backend: Backend):
 
 
 def moe_experts(x, weights, experts, gate_up, down, backend: Backend):
-    """The routed experts' weighted sum [N, H] (:func:`jaxmtp.pallas.moe.moe_experts`)."""
-    return _moe.moe_experts(x, weights, experts, gate_up, down, implementation=backend.moe)
+    """The routed experts' weighted sum [N, H] (:func:`jaxmtp.pallas.moe.moe_experts`). Under expert parallelism
+    ``gate_up``/``down`` hold this rank's experts (``experts`` are global ids): pairs routed elsewhere get weight 0
+    on the rank's first expert (at decode many programs then read that one expert, mostly from L2), and the result is
+    this rank's partial for :func:`tp_sum`; in the fixed mode it is the exact sum over ranks, each pair's output
+    taken from the rank that holds its expert."""
+    tp = backend.parallel
+    if not tp.active:
+        return _moe.moe_experts(x, weights, experts, gate_up, down, implementation=backend.moe)
+    n_local = gate_up.shape[0]
+    local = experts - _collectives.rank(tp) * n_local
+    mine = (local >= 0) & (local < n_local)
+    local = jnp.where(mine, local, 0)
+    if tp.fixed:
+        y = _moe.gathered_pairs(x, local, gate_up, down)  # [N, K, H]
+        y = _collectives.exact_sum(jnp.where(mine[..., None], y, 0), tp)
+        return _moe.weighted_pairs(y, weights, x.dtype)
+    return _moe.moe_experts(x, jnp.where(mine, weights, 0), local, gate_up, down, implementation=backend.moe)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,4 +319,5 @@ def draft_pass_input(choice: Choice, embed, hidden, w_e, w_h, eps: float, backen
 __all__ = ["Choice", "NormedRows", "SplitSum", "add_norm_head_argmax", "add_rms_norm", "cached_attention",
            "choice_ids", "chunk_gated_delta_rule", "commit_windows", "draft_pass_input", "fc_input", "form",
            "fused_gated_attention", "gdn_form", "gdn_mixer", "head_choice", "is_quantized", "linear", "moe_experts", "normed",
-           "output_add_norm", "output_product", "quantized_head", "quantized_head_argmax", "rms_norm", "swiglu_mlp"]
+           "output_add_norm", "output_product", "quantized_head", "quantized_head_argmax", "rms_norm", "swiglu_mlp",
+           "tp_sum"]

@@ -7,7 +7,8 @@ reference.
 """
 
 from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
-from jaxmtp.pallas.moe.reference import gathered_experts, moe_reference, ragged_experts
+from jaxmtp.pallas.moe.reference import (gathered_experts, gathered_pairs, moe_reference, ragged_experts,
+                                         weighted_pairs)
 
 
 def kernel_shapes_ok(x, gate_up) -> bool:
@@ -33,4 +34,5 @@ def moe_experts(x, weights, experts, gate_up, down, *, implementation="xla"):
     raise ValueError(f"unknown MoE implementation {implementation!r}")
 
 
-__all__ = ["gathered_experts", "kernel_shapes_ok", "moe_experts", "moe_reference", "ragged_experts"]
+__all__ = ["gathered_experts", "gathered_pairs", "kernel_shapes_ok", "moe_experts", "moe_reference", "ragged_experts",
+           "weighted_pairs"]

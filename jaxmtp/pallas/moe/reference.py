@@ -27,14 +27,23 @@ def moe_reference(x, weights, experts, gate_up, down):
 
 def gathered_experts(x, weights, experts, gate_up, down):
     """Per routed row: gather that expert's matrices and multiply (bytes ~ rows x one expert)."""
+    return weighted_pairs(gathered_pairs(x, experts, gate_up, down), weights, x.dtype)
+
+
+def gathered_pairs(x, experts, gate_up, down):
+    """Each (token, slot) pair's expert output ``down_e(silu(x @ gate_e) * (x @ up_e))`` [N, K, H], unweighted."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     rows = jnp.repeat(x, k, axis=0)  # [N*K, H]
     h = jnp.einsum("rh,rhj->rj", rows, gate_up[flat])
     i = gate_up.shape[-1] // 2
     act = jax.nn.silu(h[:, :i]) * h[:, i:]
-    y = jnp.einsum("ri,rih->rh", act, down[flat]).reshape(n, k, -1)
-    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights.astype(jnp.float32)).astype(x.dtype)
+    return jnp.einsum("ri,rih->rh", act, down[flat]).reshape(n, k, -1)
+
+
+def weighted_pairs(y, weights, dtype):
+    """``sum_k weights[n, k] * y[n, k]`` [N, H] in float32, as ``dtype``."""
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights.astype(jnp.float32)).astype(dtype)
 
 
 def ragged_experts(x, weights, experts, gate_up, down):

@@ -1,0 +1,125 @@
+"""Tensor parallelism inside ``jax.shard_map``: the few collectives a sharded step makes, and how it makes them.
+
+The whole step runs under one ``shard_map`` (:mod:`jaxmtp.parallel`), so every op sees its rank's local shapes
+and the only communication is what this module does:
+
+* :func:`reduce_sum` after each row-parallel product (attention ``o_proj``, GDN ``out_proj``, the MLP's
+  ``down_proj``; an MoE layer's routed experts and shared expert together): two per layer;
+* :func:`vocab_argmax` / :func:`gather_vocab` for a vocabulary-parallel LM head: greedy choice from each rank's
+  local (max, id) pair, lowest id on ties as ``jnp.argmax``; sampling gathers the logits and samples as one device.
+
+:class:`TensorParallel` is carried by the :class:`jaxmtp.pallas.Backend` (``backend.parallel``), so the ops that
+end a block reduce without any layer knowing about ranks. ``reduce="psum"`` (the default) sums with ``lax.psum``
+in float32; ``reduce="fixed"`` is the exact mode: each row-parallel product is computed as ``chunks`` fixed slices
+of its K axis whose float32 partial products are summed in one balanced tree of the same shape at every TP degree
+(the slices a rank owns are a subtree; the ranks' subtree sums are gathered and the tree finished in rank order),
+so TP = 1, 2, 4, 8 give bit-identical results (tests use it; on a CPU psum is not bit-reproducible across
+layouts). MoE experts are whole on one rank, so their reduction is exact already (one rank's value plus zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+REDUCE_MODES = ("psum", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The step's tensor-parallel setting: ``size`` ranks on mesh axis ``axis``; ``reduce`` mode (module doc);
+    ``chunks``: the fixed mode's K slices per row-parallel product (a multiple of every TP degree used);
+    ``vocab_sharded``: the LM head holds V / size columns per rank (else it is replicated)."""
+
+    size: int = 1
+    axis: str = "tp"
+    reduce: str = "psum"
+    chunks: int = 8
+    vocab_sharded: bool = False
+
+    def __post_init__(self):
+        if self.reduce not in REDUCE_MODES:
+            raise ValueError(f"reduce must be one of {REDUCE_MODES}, not {self.reduce!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether the ops run under a ``shard_map`` with this axis (also at size 1 in the fixed mode, whose
+        chunked sums are the reference every TP degree matches)."""
+        return self.size > 1 or self.reduce == "fixed"
+
+    @property
+    def fixed(self) -> bool:
+        return self.reduce == "fixed"
+
+
+SINGLE = TensorParallel()
+
+
+def rank(tp: TensorParallel) -> jax.Array:
+    """This rank's index on the tp axis (0 without tensor parallelism)."""
+    return jax.lax.axis_index(tp.axis) if tp.active else jnp.int32(0)
+
+
+def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
+    """The sum over ranks of the local partial ``y`` (float32), as ``dtype`` (default y's)."""
+    dtype = dtype or y.dtype
+    if not tp.active:
+        return y.astype(dtype)
+    return jax.lax.psum(y.astype(jnp.float32), tp.axis).astype(dtype)
+
+
+def _tree_sum(parts: jax.Array) -> jax.Array:
+    """Balanced pairwise sum over the leading axis (a power of two): ((p0 + p1) + (p2 + p3)) + ..."""
+    while parts.shape[0] > 1:
+        parts = parts[0::2] + parts[1::2]
+    return parts[0]
+
+
+def fixed_product(a: jax.Array, w: jax.Array, tp: TensorParallel) -> jax.Array:
+    """``a @ w`` summed over the ranks in the fixed order: a [..., K_local], w [K_local, N] (this rank's slice of a
+    row-parallel weight). Returns float32 [..., N], the same bits at every TP degree."""
+    local = tp.chunks // tp.size
+    if tp.chunks % tp.size or local & (local - 1) or a.shape[-1] % local:
+        raise ValueError(f"the fixed reduction needs chunks={tp.chunks} to be a power-of-two multiple of the TP "
+                         f"degree {tp.size} and to divide K={a.shape[-1] * tp.size}")
+    k = a.shape[-1] // local
+    parts = jnp.stack([jnp.matmul(a[..., i * k:(i + 1) * k], w[i * k:(i + 1) * k],
+                                  preferred_element_type=jnp.float32) for i in range(local)])
+    mine = _tree_sum(parts)
+    if tp.size == 1:
+        return mine
+    return _tree_sum(jax.lax.all_gather(mine, tp.axis))
+
+
+def exact_sum(y: jax.Array, tp: TensorParallel) -> jax.Array:
+    """Sum over ranks of values that are nonzero on one rank at most (an expert's output lives on its rank): exact
+    in any order, so psum in both modes."""
+    return jax.lax.psum(y, tp.axis) if tp.active else y
+
+
+def vocab_argmax(logits: jax.Array, tp: TensorParallel) -> jax.Array:
+    """Greedy ids int32 [...] over the global vocabulary from this rank's logits [..., V / size] (vocab-parallel
+    head): each rank's (max, global id) pair is gathered and the first maximum wins, so ties resolve to the lowest
+    id as ``jnp.argmax`` over the whole row does."""
+    if not tp.vocab_sharded:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32) + rank(tp) * v
+    vals = jnp.max(logits, axis=-1)
+    all_vals = jax.lax.all_gather(vals, tp.axis, axis=-1)  # [..., size] in rank order = id order
+    all_ids = jax.lax.all_gather(ids, tp.axis, axis=-1)
+    best = jnp.argmax(all_vals, axis=-1)
+    return jnp.take_along_axis(all_ids, best[..., None], axis=-1)[..., 0]
+
+
+def gather_vocab(logits: jax.Array, tp: TensorParallel) -> jax.Array:
+    """The full logits [..., V] from each rank's [..., V / size] (identity for a replicated head)."""
+    if not tp.vocab_sharded:
+        return logits
+    return jax.lax.all_gather(logits, tp.axis, axis=logits.ndim - 1, tiled=True)
+
+
+__all__ = ["REDUCE_MODES", "SINGLE", "TensorParallel", "exact_sum", "fixed_product", "gather_vocab", "rank",
+           "reduce_sum", "vocab_argmax"]

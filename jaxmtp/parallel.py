@@ -1,0 +1,323 @@
+"""Tensor and expert parallelism on a JAX mesh: which rank holds which slice of the model, and the one
+``shard_map`` every device function of a sharded model runs in.
+
+Design (docs/engine.md, "Parallelism"):
+
+* Mesh axis ``"tp"``. Every device function (prefill chunk, the device loop of speculative steps, full forwards)
+  runs inside one ``jax.shard_map``, so each Pallas kernel sees its rank's local shapes and the collectives are the
+  few explicit ones of :mod:`jaxmtp.pallas.collectives`: Pallas calls cannot be partitioned automatically.
+* Each rank's params are a native-layout tree of local shapes (:func:`shard_native`), turned into the serving
+  layout rank by rank, so fused projections hold ``[q_r | k_r | v_r | z_r | b_r | a_r]`` for rank r and nothing
+  is re-laid at run time. On the devices every leaf is stacked over ranks, ``[tp, ...]`` with ``P("tp")``: rank r
+  holds entry r, its own slice or its copy of a replicated tensor.
+* Gated DeltaNet by key-head groups: rank r owns key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads that read
+  them (value head j reads key head ``j // (Hv/Hk)``), with their conv channels, gates and recurrent state;
+  ``out_proj`` is row-parallel. Gated attention by query heads (each head's q and gate together); KV heads are
+  sharded when tp <= KV heads, else each rank keeps the one KV head its query heads read (replicated tp / Hkv
+  times, as vLLM). Dense MLP: gate|up column-parallel, down row-parallel. MoE: experts split over the ranks
+  (expert parallelism), tokens replicated, the router replicated, the shared expert tensor-parallel and added
+  before the layer's one reduction; no all-to-all. The MTP layer is sharded like a target layer; its ``fc`` and the
+  quantised draft head are replicated (no collective inside a draft pass but the layer's two reductions).
+* The LM head is vocabulary-parallel when tp divides V: greedy choice from each rank's (max, id) pair; sampling
+  gathers the logits first (:mod:`jaxmtp.pallas.collectives`). Embeddings are replicated.
+* Carries: KV caches ``[slots, Hkv_local * tp, S, D]`` sharded on the head axis, GDN conv rings on the channel axis
+  (rank-major, matching the fused projection), recurrent states on the value-head axis; per-slot fields replicated.
+
+Data parallelism is not built yet: serve one model per device group behind a front end (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmtp.config import ConfigError, Qwen35Config
+from jaxmtp.pallas.collectives import TensorParallel
+
+TP = "tp"
+
+
+def check_layout(cfg: Qwen35Config, tp: int) -> None:
+    """Refuse a tensor-parallel degree the model cannot be split by (ConfigError naming the numbers)."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
+    if tp == 1:
+        return
+    problems = []
+    hq, hkv, hk = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.linear_num_key_heads
+    if hq % tp:
+        problems.append(f"the {hq} attention query heads")
+    if (hkv % tp) if tp <= hkv else (tp % hkv):
+        problems.append(f"the {hkv} KV heads (tp must divide them, or be a multiple of them: replicated)")
+    if cfg.linear_attention_layers and hk % tp:
+        problems.append(f"the {hk} Gated DeltaNet key heads")
+    if any(not cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)) or (cfg.has_mtp and not cfg.mtp_is_moe):
+        if cfg.intermediate_size % tp:
+            problems.append(f"the MLP width {cfg.intermediate_size}")
+    if cfg.num_experts:
+        if cfg.num_experts % tp:
+            problems.append(f"the {cfg.num_experts} experts")
+        if cfg.shared_expert_intermediate_size % tp:
+            problems.append(f"the shared expert's width {cfg.shared_expert_intermediate_size}")
+    if problems:
+        raise ConfigError(f"tensor_parallel_size={tp} does not divide " + "; ".join(problems))
+
+
+def local_config(cfg: Qwen35Config, tp: int) -> Qwen35Config:
+    """The config one rank runs: head counts and MLP widths divided by ``tp`` (one KV head per rank when tp exceeds
+    them). ``num_experts`` stays global (the replicated router scores every expert); the rank's experts are its
+    weights' leading axis."""
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
+        linear_num_key_heads=max(1, cfg.linear_num_key_heads // tp),
+        linear_num_value_heads=max(1, cfg.linear_num_value_heads // tp),
+        intermediate_size=cfg.intermediate_size // tp,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slicing the native layout
+# ---------------------------------------------------------------------------------------------------------------
+def _span(count: int, width: int, r: int, tp: int) -> np.ndarray:
+    """Columns of rank r's share of ``count`` heads of ``width`` each."""
+    n = count // tp
+    return np.arange(r * n * width, (r + 1) * n * width)
+
+
+def _kv_span(cfg: Qwen35Config, r: int, tp: int) -> np.ndarray:
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    if tp <= hkv:
+        return _span(hkv, d, r, tp)
+    h = r // (tp // hkv)  # the KV head rank r's query heads read
+    return np.arange(h * d, (h + 1) * d)
+
+
+def _gdn_channels(cfg: Qwen35Config, r: int, tp: int) -> np.ndarray:
+    """Rank r's conv channels of ``[q | k | v]``."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    q = _span(hk, dk, r, tp)
+    return np.concatenate([q, hk * dk + q, 2 * hk * dk + _span(cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                                                               r, tp)])
+
+
+def _cols(w, idx):
+    return np.ascontiguousarray(w[..., idx])
+
+
+def _rows(w, idx):
+    return np.ascontiguousarray(w[idx])
+
+
+def _mlp(p: dict, r: int, tp: int) -> dict:
+    if "experts" in p:
+        e = p["experts"]["gate_up_proj"].shape[0] // tp
+        sel = slice(r * e, (r + 1) * e)
+        return {"gate": p["gate"], "shared_expert_gate": p["shared_expert_gate"],
+                "experts": {name: np.ascontiguousarray(w[sel]) for name, w in p["experts"].items()},
+                "shared_expert": _mlp(p["shared_expert"], r, tp)}
+    i = _span(p["gate_proj"].shape[1], 1, r, tp)
+    return {"gate_proj": _cols(p["gate_proj"], i), "up_proj": _cols(p["up_proj"], i),
+            "down_proj": _rows(p["down_proj"], i)}
+
+
+def _layer(lp: dict, cfg: Qwen35Config, r: int, tp: int) -> dict:
+    out = {k: v for k, v in lp.items() if k not in ("self_attn", "linear_attn", "mlp")}
+    if "self_attn" in lp:
+        a = lp["self_attn"]
+        q = _span(cfg.num_attention_heads, 2 * cfg.head_dim, r, tp)  # [q_h | gate_h] per head
+        kv = _kv_span(cfg, r, tp)
+        o = _span(cfg.num_attention_heads, cfg.head_dim, r, tp)
+        out["self_attn"] = {"q_proj": _cols(a["q_proj"], q), "k_proj": _cols(a["k_proj"], kv),
+                            "v_proj": _cols(a["v_proj"], kv), "o_proj": _rows(a["o_proj"], o),
+                            "q_norm": a["q_norm"], "k_norm": a["k_norm"]}
+    if "linear_attn" in lp:
+        g = lp["linear_attn"]
+        c = _gdn_channels(cfg, r, tp)
+        hv = _span(cfg.linear_num_value_heads, 1, r, tp)
+        v = _span(cfg.linear_num_value_heads, cfg.linear_value_head_dim, r, tp)
+        out["linear_attn"] = {"in_proj_qkv": _cols(g["in_proj_qkv"], c), "in_proj_z": _cols(g["in_proj_z"], v),
+                              "in_proj_b": _cols(g["in_proj_b"], hv), "in_proj_a": _cols(g["in_proj_a"], hv),
+                              "conv1d": _cols(g["conv1d"], c), "A_log": g["A_log"][hv], "dt_bias": g["dt_bias"][hv],
+                              "norm": g["norm"], "out_proj": _rows(g["out_proj"], v)}
+    out["mlp"] = _mlp(lp["mlp"], r, tp)
+    return out
+
+
+def vocab_sharded(cfg: Qwen35Config, tp: int) -> bool:
+    """Whether the LM head is split over the vocabulary (tp divides V), else replicated."""
+    return tp > 1 and cfg.vocab_size % tp == 0
+
+
+def shard_native(params: dict, cfg: Qwen35Config, tp: int) -> list[dict]:
+    """Rank r's native-layout params (numpy, local shapes; replicated tensors shared, not copied) for r < tp. The
+    LM head becomes rank r's ``lm_head [H, V / tp]`` when vocabulary-parallel (a tied head too: the rank's slice of
+    the embedding, transposed)."""
+    check_layout(cfg, tp)
+    params = jax.tree_util.tree_map(np.asarray, params)
+    out = []
+    for r in range(tp):
+        t = {k: v for k, v in params.items() if k not in ("layers", "mtp", "lm_head")}
+        t["layers"] = [_layer(lp, cfg, r, tp) for lp in params["layers"]]
+        if "mtp" in params:
+            m = params["mtp"]
+            t["mtp"] = {**{k: v for k, v in m.items() if k != "layers"},
+                        "layers": [_layer(lp, cfg, r, tp) for lp in m["layers"]]}
+        if vocab_sharded(cfg, tp):
+            cols = _span(cfg.vocab_size, 1, r, tp)
+            t["lm_head"] = (_cols(params["lm_head"], cols) if "lm_head" in params
+                            else np.ascontiguousarray(params["embed_tokens"][cols].T))
+        elif "lm_head" in params:
+            t["lm_head"] = params["lm_head"]
+        out.append(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mesh, placement and the shard_map
+# ---------------------------------------------------------------------------------------------------------------
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A ``("tp",)`` mesh over the first ``tp`` devices (or ``devices``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tp > len(devices):
+        raise ConfigError(f"tensor_parallel_size={tp} needs {tp} devices, but {len(devices)} "
+                          f"{jax.default_backend()} device(s) are present")
+    return Mesh(np.asarray(devices[:tp]), (TP,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How a sharded model is spread: the mesh, its TP degree, the rank's config and the collectives' setting."""
+
+    mesh: Mesh
+    tp: int
+    local_config: Qwen35Config
+    collectives: TensorParallel
+
+    def backend(self, backend):
+        """``backend`` with this layout's collectives (:class:`jaxmtp.pallas.Backend`)."""
+        return dataclasses.replace(backend, parallel=self.collectives)
+
+    def state_config(self) -> Qwen35Config:
+        """The config whose carries have the global (stacked over ranks) shapes: local heads x tp."""
+        c = self.local_config
+        return dataclasses.replace(c, num_attention_heads=c.num_attention_heads * self.tp,
+                                   num_key_value_heads=c.num_key_value_heads * self.tp,
+                                   linear_num_key_heads=c.linear_num_key_heads * self.tp,
+                                   linear_num_value_heads=c.linear_num_value_heads * self.tp)
+
+    def sharding(self, spec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def shard_map(self, fn: Callable, in_specs: tuple, out_specs) -> Callable:
+        """``fn(params, *args)`` run on each rank with its own params (the stacked leaves' entry) and ``args`` split
+        by ``in_specs`` (one per arg after params); outputs joined by ``out_specs``."""
+
+        def local(params, *args):
+            return fn(jax.tree_util.tree_map(lambda a: a[0], params), *args)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(TP),) + tuple(in_specs), out_specs=out_specs,
+                             check_vma=False)
+
+    def logits_spec(self, ndim: int):
+        """The spec of logits [..., V] from the LM head: split over ranks when vocabulary-parallel."""
+        return P(*([None] * (ndim - 1) + [TP])) if self.collectives.vocab_sharded else P()
+
+
+def make_layout(cfg: Qwen35Config, tp: int, *, mesh: Mesh | None = None, reduce: str = "psum") -> ParallelLayout:
+    """The layout for ``tp`` ranks (devices in order) or a given ``("tp",)`` mesh; errors name what does not fit."""
+    if mesh is not None:
+        if tuple(mesh.axis_names) != (TP,):
+            raise ConfigError(f"the mesh must have the one axis ('tp',), not {tuple(mesh.axis_names)}")
+        tp = mesh.shape[TP]
+    check_layout(cfg, tp)
+    mesh = mesh if mesh is not None else make_mesh(tp)
+    collectives = TensorParallel(size=tp, reduce=reduce, vocab_sharded=vocab_sharded(cfg, tp))
+    return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives)
+
+
+def place(rank_trees: list[dict], layout: ParallelLayout):
+    """Stack the ranks' trees onto the mesh: each leaf ``[tp, ...]`` with rank r's entry on device r. Returns the
+    device params; each device holds only its own entries."""
+    leaves = [jax.tree_util.tree_flatten(t) for t in rank_trees]
+    treedef = leaves[0][1]
+    for _, td in leaves[1:]:
+        if td != treedef:
+            raise ValueError("the ranks' param trees differ in structure")
+    sharding = layout.sharding(P(TP))
+    placed = []
+    for i in range(len(leaves[0][0])):
+        parts = [lv[0][i] for lv in leaves]
+        shape = (len(parts),) + tuple(parts[0].shape)
+        placed.append(jax.make_array_from_callback(
+            shape, sharding, lambda idx, parts=parts: np.asarray(parts[idx[0].start or 0])[None]))
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def sharded_serving_params(params: dict, cfg: Qwen35Config, layout: ParallelLayout, *, backend=None,
+                           draft_head: bool = True, draft_vocab=None, draft_head_bits: int | None = None,
+                           quantize_mtp_layer: bool | None = None):
+    """The serving layout (:func:`jaxmtp.param_layout.serving_layout`, same options) of native ``params`` split over
+    ``layout``'s ranks and placed on its mesh: each rank's tree sliced (:func:`shard_native`) and laid out on the
+    host, the quantised draft head made once from the whole LM head and replicated. ``params`` may be freed by the
+    caller afterwards; the host holds the ranks' trees until they are placed."""
+    from jaxmtp.param_layout import check_draft_head_options, layer_layout, quantizes_mtp, serving_draft_head
+
+    check_draft_head_options(draft_head, draft_head_bits)
+    params = jax.tree_util.tree_map(np.asarray, params)
+    head = serving_draft_head(params, draft_head=draft_head, draft_vocab=draft_vocab,
+                              draft_head_bits=draft_head_bits, backend=backend)
+    if quantize_mtp_layer is None:
+        quantize_mtp_layer = draft_head and quantizes_mtp(backend)
+    trees = shard_native(params, cfg, layout.tp)
+    for t in trees:
+        layer_layout(t, backend, quantize_mtp_layer)
+        if head is not None:
+            t["draft_head"] = head
+    return place(trees, layout)
+
+
+def device_bytes(params) -> int:
+    """Bytes of stacked params one device holds (a leaf's bytes over its TP degree)."""
+    return int(sum(int(x.size) * np.dtype(x.dtype).itemsize // x.shape[0] for x in jax.tree_util.tree_leaves(params)))
+
+
+def carry_spec(path) -> Any:
+    """The spec of a carry leaf by its field: KV ``k``/``v`` [S, H, rows, D] and GDN ``state`` [S, Hv, dk, dv] on
+    axis 1, the GDN ``conv`` ring [S, K, C] on axis 2."""
+    name = getattr(path[-1], "name", None)
+    if name in ("k", "v", "state"):
+        return P(None, TP)
+    if name == "conv":
+        return P(None, None, TP)
+    raise ValueError(f"unknown carry leaf {jax.tree_util.keystr(path)}")
+
+
+def state_specs(state) -> Any:
+    """Specs of a :class:`jaxmtp.engine.steps.SlotState`: carries split over ranks, every per-slot field
+    replicated."""
+    def spec(path, _):
+        keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if keys and keys[0] in ("carry", "mtp_carry"):
+            return carry_spec(path)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def model_carry_specs(carry) -> Any:
+    """Specs of a model carry (a tuple of KVCache / GDNCarry)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: carry_spec(path), carry)
+
+
+__all__ = ["ParallelLayout", "TP", "carry_spec", "check_layout", "device_bytes", "local_config", "make_layout",
+           "make_mesh", "model_carry_specs", "place", "shard_native", "sharded_serving_params", "state_specs",
+           "vocab_sharded"]
