@@ -63,16 +63,29 @@ def tiny_config(cfg: Qwen35Config | str) -> Qwen35Config:
 
 
 def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "serving", draft_vocab: int | None = None,
-                 draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None, seed: int = 0) -> Model:
+                 draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None, seed: int = 0,
+                 tensor_parallel_size: int = 1) -> Model:
     """A :class:`jaxmtp.loaded_model.Model` of random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives:
     fused projections, the quantised draft head and, where the backend wants it, the int8 MTP layer), "fused" (fused
     projections, exact drafts) or "native" (the checkpoint layout). ``backend``: a name or a
     :class:`jaxmtp.pallas.Backend`. ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which
-    ids does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`."""
+    ids does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`.
+    ``tensor_parallel_size``: split over that many devices (:func:`jaxmtp.load`; serving layout only)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
     backend = resolve_backend(backend, cfg, dtype)
+    if tensor_parallel_size != 1:
+        from jaxmtp.loaded_model import serving_params
+        from jaxmtp.parallel import make_layout
+
+        if layout != "serving":
+            raise ValueError("a tensor-parallel random model comes in the serving layout only")
+        par = make_layout(cfg, tensor_parallel_size)
+        ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
+        params, backend, _ = serving_params(jax.device_get(params), cfg, backend, par, draft_vocab=ids,
+                                            draft_head_bits=draft_head_bits, quantize_mtp_layer=quantize_mtp_layer)
+        return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend, layout=par)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
         params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,

@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stop", action="append", default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: float32 on CPU, bfloat16 on accelerators (as jaxmtp.load and the server)")
+    ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="split the model over N devices (docs/engine.md, Parallelism)")
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help="draft only among these token ids (jaxmtp.draft_vocab; same output, cheaper drafts)")
     from jaxmtp.compile_cache import add_arguments, enable_from_args
@@ -252,7 +254,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     try:
         enable_from_args(args)  # before anything compiles
-        model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab)
+        model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab,
+                     tensor_parallel_size=args.tensor_parallel_size)
         _, engine, ids, rids, _ = _prepare(
             model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, stop=args.stop,

@@ -269,18 +269,9 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
     backend = resolve_backend(backend, cfg, dtype)
     # The serving layout is built on the host (numpy), then placed once: the device never holds the weights twice.
-    options = dict(draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits, backend=backend)
-    if sharded:
-        from jaxmtp.parallel import sharded_serving_params
-
-        params = sharded_serving_params(_to_host(params), cfg, layout, **options)
-        backend = layout.backend(backend)
-        from jaxmtp.parallel import device_bytes
-
-        load_info = _load_info(device_bytes(params), layout.mesh.devices.flat[0])
-    else:
-        layout = None
-        params, load_info = _place(serving_layout(_to_host(params), **options))
+    params, backend, load_info = serving_params(_to_host(params), cfg, backend, layout if sharded else None,
+                                                draft_head=int8_draft_head, draft_vocab=ids,
+                                                draft_head_bits=draft_head_bits)
     return Model(
         config=cfg,
         params=params,
@@ -291,8 +282,21 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         generation_config=_read_json(os.path.join(path, "generation_config.json")),
         chat_template=_chat_template(path),
         load_info=load_info,
-        layout=layout,
+        layout=layout if sharded else None,
     )
+
+
+def serving_params(params, cfg: Qwen35Config, backend: Backend, layout=None, **options):
+    """Native ``params`` (host arrays) in the serving layout (:func:`jaxmtp.param_layout.serving_layout`, its
+    ``options``) placed on the device, or split over a :class:`jaxmtp.parallel.ParallelLayout`'s mesh. Returns
+    ``(params, backend, load_info)``: the backend carries the layout's collectives."""
+    if layout is None:
+        params, info = _place(serving_layout(params, backend=backend, **options))
+        return params, backend, info
+    from jaxmtp.parallel import device_bytes, sharded_serving_params
+
+    params = sharded_serving_params(params, cfg, layout, backend=backend, **options)
+    return params, layout.backend(backend), _load_info(device_bytes(params), layout.mesh.devices.flat[0])
 
 
 def _to_host(params):

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft only among these token ids (.json list, .npy or whitespace-separated text; build one "
                         "with scripts/build_draft_vocab.py): each draft reads N rows of the head instead of the whole "
                         "vocabulary; outputs are the same, acceptance can drop (docs/performance.md)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N devices, taken in order: heads, MLP widths and MoE experts per device "
+                        "(docs/engine.md, Parallelism)")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")
@@ -128,10 +131,12 @@ def load_model(args):
         if args.draft_vocab is not None:
             raise ValueError("--draft-vocab takes a checkpoint's token ids; it does not apply to --random-model")
         return random_model(args.random_model, dtype=dtype, backend=args.backend,
-                            int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits)
+                            int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits,
+                            tensor_parallel_size=args.tensor_parallel_size)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
                        int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
-                       draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization)
+                       draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization,
+                       tensor_parallel_size=args.tensor_parallel_size)
 
 
 async def serve(args) -> int:

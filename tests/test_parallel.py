@@ -12,6 +12,7 @@ a vocabulary the head splits over.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -40,15 +41,15 @@ def _load(path, tp=1, reduce="psum"):
     return jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, tensor_parallel_reduce=reduce)
 
 
-def _run(model, prompts, k, params):
-    """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host)."""
+def _run(model, prompts, k, params, state=True):
+    """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None)."""
     eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16)
     ids = [eng.add_request(p, prm) for p, prm in zip(prompts, params)]
     out = {i: [] for i in ids}
     while eng.has_work():
         for o in eng.step():
             out[o.request_id] += o.token_ids
-    return [out[i] for i in ids], jax.device_get(eng.state)
+    return [out[i] for i in ids], (jax.device_get(eng.state) if state else None)
 
 
 def _one_device_carry(carry, cfg, tp):
@@ -182,6 +183,55 @@ def test_kv_heads_are_replicated_past_their_count_and_planned_per_device(wide):
     assert m.load_info["weight_bytes"] < one.load_info["weight_bytes"] / 2
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_sharded_step_makes_two_reductions_per_layer_and_no_all_to_all(wide, kind):
+    """The compiled greedy k = 3 loop of a TP 4 model: per step, one all-reduce after each mixer and each MLP / MoE
+    block (target layers, and the MTP layer in each of the k draft passes), one (max, id) gather for the target's
+    choice; no all-to-all (MoE tokens stay replicated)."""
+    import re
+
+    m = _load(wide(kind), 4)
+    k, layers = 3, m.config.num_hidden_layers
+    eng = Engine(m, num_slots=2, max_context=32, num_draft_tokens=k, steps_per_sync=1, slot_buckets=False)
+    hlo = eng.device_loop(2, False).lower(m.params, eng.state).compile().as_text()
+    reduces = len(re.findall(r"all-reduce(?:-start)?\(", hlo))
+    gathers = len(re.findall(r"all-gather(?:-start)?\(", hlo))
+    assert "all-to-all" not in hlo
+    assert reduces == 2 * layers + 2 * k  # the MTP layer runs once per draft pass
+    assert gathers == 2  # the target's vocab-parallel greedy choice: maxima and ids; the draft head is replicated
+
+
+def run_requests(model, prompts):
+    """The 2-process test's requests (greedy and seeded, k = 2): token ids per prompt."""
+    return _run(model, prompts, 2, _params(len(prompts)), state=False)[0]
+
+
+@pytest.mark.slow
+def test_two_processes_over_loopback_give_the_tokens_of_one(wide, rng):
+    """``jax.distributed`` with 2 processes x 4 CPU devices (gloo over 127.0.0.1), one TP 8 mesh across them: the
+    same tokens as 8 devices in one process (the fixed reduction order: gloo's all-reduce is not bit-reproducible
+    against the in-process one)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    path = wide("dense")
+    prompts = _prompts(rng, 3, 128)
+    want = run_requests(_load(path, 8, "fixed"), prompts)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), path, json.dumps(prompts)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == want
+
+
 def test_vocab_parallel_argmax_ties_resolve_to_the_lowest_id():
     from jax.sharding import Mesh, PartitionSpec as P
 
@@ -195,3 +245,59 @@ def test_vocab_parallel_argmax_ties_resolve_to_the_lowest_id():
     fn = jax.jit(jax.shard_map(lambda x: vocab_argmax(x, tp), mesh=mesh, in_specs=P(None, None, "tp"),
                                out_specs=P(), check_vma=False))
     np.testing.assert_array_equal(np.asarray(fn(logits)), np.argmax(logits, axis=-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas kernels inside the shard_map
+# ---------------------------------------------------------------------------------------------------------------
+def _kernel_config(moe: bool):
+    """Local shapes at TP 2 that every kernel takes (output products' K = 128, heads of 64)."""
+    from jaxmtp.config import FULL, LINEAR, Qwen35Config
+
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                 moe_layers=(True, True)) if moe else {}
+    return Qwen35Config(family="qwen3_5_moe" if moe else "qwen3_5", vocab_size=128, hidden_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        layer_types=(LINEAR, FULL), linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=64, intermediate_size=0 if moe else 256,
+                        mtp_num_hidden_layers=1, **extra)
+
+
+@pytest.mark.parametrize("kind,moe", [("triton_interpret", False),
+                                      pytest.param("triton_interpret", True, marks=pytest.mark.slow),
+                                      pytest.param("mosaic_tpu_interpret", True, marks=pytest.mark.slow)])
+def test_pallas_kernels_run_inside_the_shard_map(kind, moe, rng):
+    """The GPU kernels (every op, the one-row output kernels on transposed weights, the int8 MTP layer) and the TPU
+    kernels (attention, GDN, grouped experts), in interpret mode, on each rank's shapes at TP 2: logits and drafts
+    match the same kernels on one device, and a speculative engine emits the same tokens."""
+    import jax.numpy as jnp
+
+    from jaxmtp.loaded_model import Model, serving_params
+    from jaxmtp.model import init_params
+    from jaxmtp.pallas import Backend
+
+    cfg = _kernel_config(moe)
+    if kind == "triton_interpret":
+        backend = Backend(**{f: kind for f in ("attention", "gdn_chunk", "gdn_recurrent", "moe", "matmul", "draft_head",
+                                               "norm", "gdn_mixer", "attention_prelude", "out_matmul",
+                                               "mtp_matmul")})
+    else:
+        backend = Backend(attention=kind, gdn_chunk=kind, gdn_recurrent=kind, moe=kind)
+    params = jax.device_get(init_params(cfg, jax.random.key(1), jnp.float32, scale=0.1))
+
+    def model(tp):
+        layout = make_layout(cfg, tp) if tp > 1 else None
+        p, b, _ = serving_params(jax.tree.map(lambda a: a, params), cfg, backend, layout)  # (laid out in place)
+        return Model(config=cfg, params=p, dtype=jnp.float32, backend=b, layout=layout)
+
+    one, two = model(1), model(2)
+    if kind == "triton_interpret":
+        assert "out_proj_t" in two.params["layers"][0]["linear_attn"] and "scale" in two.params["mtp"]["fc"]
+    ids = rng.integers(0, cfg.vocab_size, (2, 9))
+    np.testing.assert_allclose(two.logits(ids), one.logits(ids), rtol=1e-4, atol=1e-4)
+    # the int8 MTP layer is quantised per rank: a row-parallel weight's scales come from the rank's K columns, so
+    # drafts agree to int8 rounding (the target verifies them: outputs are exact)
+    tol = 5e-2 if kind == "triton_interpret" else 1e-4
+    np.testing.assert_allclose(two.draft_logits(ids), one.draft_logits(ids), rtol=tol, atol=tol)
+    prompts = _prompts(rng, 2, cfg.vocab_size)
+    assert _run(two, prompts, 2, _params(1) * 2)[0] == _run(one, prompts, 2, _params(1) * 2)[0]
