@@ -70,22 +70,21 @@ def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "servin
     projections, exact drafts) or "native" (the checkpoint layout). ``backend``: a name or a
     :class:`jaxmtp.pallas.Backend`. ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which
     ids does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`.
-    ``tensor_parallel_size``: split over that many devices (:func:`jaxmtp.load`; serving layout only)."""
+    ``tensor_parallel_size``: split over that many devices (:func:`jaxmtp.load`; serving layout only), each rank's
+    weights drawn on its device (:func:`jaxmtp.parallel.random_params`: not the unsharded model's values)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
     backend = resolve_backend(backend, cfg, dtype)
-    if tensor_parallel_size != 1:
-        from jaxmtp.loaded_model import serving_params
-        from jaxmtp.parallel import make_layout
+    if tensor_parallel_size != 1:  # drawn on each rank's device (jaxmtp.parallel.random_params)
+        from jaxmtp.parallel import make_layout, random_params
 
-        if layout != "serving":
-            raise ValueError("a tensor-parallel random model comes in the serving layout only")
+        if layout != "serving" or draft_vocab is not None:
+            raise ValueError("a tensor-parallel random model comes in the serving layout, without a draft vocabulary")
         par = make_layout(cfg, tensor_parallel_size)
-        ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
-        params, backend, _ = serving_params(jax.device_get(params), cfg, backend, par, draft_vocab=ids,
-                                            draft_head_bits=draft_head_bits, quantize_mtp_layer=quantize_mtp_layer)
-        return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=backend, layout=par)
+        params = random_params(cfg, par, dtype, backend, seed=seed, draft_head_bits=draft_head_bits,
+                               quantize_mtp_layer=quantize_mtp_layer)
+        return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=par.backend(backend), layout=par)
+    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
         params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,

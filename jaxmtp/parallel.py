@@ -285,6 +285,53 @@ def sharded_serving_params(params: dict, cfg: Qwen35Config, layout: ParallelLayo
     return place(trees, layout)
 
 
+def random_params(cfg: Qwen35Config, layout: ParallelLayout, dtype, backend=None, *, seed: int = 0,
+                  draft_head: bool = True, draft_head_bits: int | None = None,
+                  quantize_mtp_layer: bool | None = None):
+    """Random weights in the serving layout made on each rank's device in its local shapes, for benchmarks of
+    models too large to build whole on one device or the host. Every rank draws from the same key, so replicated
+    tensors (embeddings, norms, the router) agree across ranks as they must; the values are not an unsharded
+    model's (:func:`jaxmtp.model.init_params`' distribution, not its draws)."""
+    from jaxmtp.model import init_params
+    from jaxmtp.param_layout import check_draft_head_options, layer_layout, quantizes_mtp, serving_draft_head
+
+    check_draft_head_options(draft_head, draft_head_bits)
+    tp, local = layout.tp, layout.local_config
+    if cfg.num_experts:  # the rank's experts only (the top-k bound keeps the config valid; routing is not drawn)
+        local = dataclasses.replace(local, num_experts=cfg.num_experts // tp,
+                                    num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.num_experts // tp))
+    if quantize_mtp_layer is None:
+        quantize_mtp_layer = draft_head and quantizes_mtp(backend)
+    per_rank = []
+    for r, device in enumerate(layout.mesh.devices.flat):
+        with jax.default_device(device):
+            t = init_params(local, jax.random.PRNGKey(seed), dtype)
+            head = serving_draft_head(t, draft_head=draft_head, draft_head_bits=draft_head_bits, backend=backend)
+            for i, lp in enumerate(t["layers"] + t.get("mtp", {}).get("layers", [])):
+                if "experts" in lp["mlp"]:  # the router scores every expert
+                    lp["mlp"]["gate"] = 0.02 * jax.random.normal(jax.random.PRNGKey(seed + 1 + i),
+                                                                 (cfg.hidden_size, cfg.num_experts), dtype)
+            if layout.collectives.vocab_sharded:
+                cols = slice(r * cfg.vocab_size // tp, (r + 1) * cfg.vocab_size // tp)
+                t["lm_head"] = t["lm_head"][:, cols] if "lm_head" in t else t["embed_tokens"][cols].T
+            layer_layout(t, backend, quantize_mtp_layer)
+            if head is not None:
+                t["draft_head"] = head
+            per_rank.append(jax.device_put(t, device))  # committed: later ops on them stay on the device
+    return _stack_on_devices(per_rank, layout)
+
+
+def _stack_on_devices(per_rank: list[dict], layout: ParallelLayout):
+    """Rank r's device arrays (on device r) as stacked ``[tp, ...]`` leaves with ``P("tp")``."""
+    leaves = [jax.tree_util.tree_flatten(t) for t in per_rank]
+    sharding = layout.sharding(P(TP))
+    out = []
+    for i in range(len(leaves[0][0])):
+        parts = [lv[0][i][None] for lv in leaves]
+        out.append(jax.make_array_from_single_device_arrays((len(parts),) + parts[0].shape[1:], sharding, parts))
+    return jax.tree_util.tree_unflatten(leaves[0][1], out)
+
+
 def device_bytes(params) -> int:
     """Bytes of stacked params one device holds (a leaf's bytes over its TP degree)."""
     return int(sum(int(x.size) * np.dtype(x.dtype).itemsize // x.shape[0] for x in jax.tree_util.tree_leaves(params)))
@@ -319,5 +366,6 @@ def model_carry_specs(carry) -> Any:
 
 
 __all__ = ["ParallelLayout", "TP", "carry_spec", "check_layout", "device_bytes", "local_config", "make_layout",
-           "make_mesh", "model_carry_specs", "place", "shard_native", "sharded_serving_params", "state_specs",
+           "make_mesh", "model_carry_specs", "place", "random_params", "shard_native", "sharded_serving_params",
+           "state_specs",
            "vocab_sharded"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxmtp.config import FULL, LINEAR, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
-from jaxmtp.loaded_model import Model, serving_params
+from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params
 from jaxmtp.pallas import resolve_backend
 from jaxmtp.param_layout import serving_layout
@@ -50,18 +50,19 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
     costs). ``tensor_parallel_size``: as :func:`jaxmtp.load`."""
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
-    layout = None
-    if tensor_parallel_size != 1:
-        from jaxmtp.parallel import make_layout
+    backend = resolve_backend(backend, cfg, dtype)
+    if tensor_parallel_size != 1:  # each rank's weights drawn on its device
+        from jaxmtp.parallel import make_layout, random_params
 
+        if draft_vocab is not None:
+            raise ValueError("a tensor-parallel random model has no draft vocabulary")
         layout = make_layout(cfg, tensor_parallel_size)
+        params = random_params(cfg, layout, dtype, backend, seed=seed, draft_head=int8_draft_head,
+                               draft_head_bits=draft_head_bits)
+        return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
+                     backend=layout.backend(backend), layout=layout)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
     ids = None if draft_vocab is None else read_draft_vocab(np.arange(draft_vocab), cfg.vocab_size)
-    backend = resolve_backend(backend, cfg, dtype)
-    options = dict(draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits)
-    if layout is None:
-        params = serving_layout(params, backend=backend, **options)
-    else:
-        params, backend, _ = serving_params(jax.device_get(params), cfg, backend, layout, **options)
-    return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype, backend=backend,
-                 layout=layout)
+    params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits,
+                            backend=backend)
+    return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype, backend=backend)
