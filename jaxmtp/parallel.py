@@ -332,6 +332,30 @@ def _stack_on_devices(per_rank: list[dict], layout: ParallelLayout):
     return jax.tree_util.tree_unflatten(leaves[0][1], out)
 
 
+def rank_weight_bytes(cfg: Qwen35Config, tp: int, dtype="bfloat16", include_mtp: bool = True) -> int:
+    """Bytes of one rank's native-layout weights at TP ``tp`` (the serving layout's quantised draft head, replicated,
+    comes on top), from the config: for the per-device memory plan of a model not loaded."""
+    import jax.numpy as jnp
+
+    from jaxmtp.model import param_shapes
+    from jaxmtp.param_layout import weight_bytes
+
+    check_layout(cfg, tp)
+    local, item = local_config(cfg, tp), jnp.dtype(dtype).itemsize
+    if cfg.num_experts and tp > 1:
+        local = dataclasses.replace(local, num_experts=cfg.num_experts // tp,
+                                    num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.num_experts // tp))
+    total = weight_bytes(param_shapes(local, dtype, include_mtp=include_mtp))
+    h, v = cfg.hidden_size, cfg.vocab_size
+    if cfg.num_experts and tp > 1:  # the router scores every expert on every rank
+        routers = sum(map(cfg.layer_is_moe, range(cfg.num_hidden_layers)))
+        routers += cfg.mtp_num_hidden_layers if include_mtp and cfg.mtp_is_moe else 0
+        total += routers * h * (cfg.num_experts - local.num_experts) * item
+    if vocab_sharded(cfg, tp):  # the rank's [H, V / tp] head (the whole embedding stays)
+        total += h * (v // tp) * item - (0 if cfg.tie_word_embeddings else h * v * item)
+    return total
+
+
 def device_bytes(params) -> int:
     """Bytes of stacked params one device holds (a leaf's bytes over its TP degree)."""
     return int(sum(int(x.size) * np.dtype(x.dtype).itemsize // x.shape[0] for x in jax.tree_util.tree_leaves(params)))
@@ -366,6 +390,6 @@ def model_carry_specs(carry) -> Any:
 
 
 __all__ = ["ParallelLayout", "TP", "carry_spec", "check_layout", "device_bytes", "local_config", "make_layout",
-           "make_mesh", "model_carry_specs", "place", "random_params", "shard_native", "sharded_serving_params",
+           "make_mesh", "model_carry_specs", "place", "random_params", "rank_weight_bytes", "shard_native", "sharded_serving_params",
            "state_specs",
            "vocab_sharded"]

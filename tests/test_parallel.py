@@ -301,3 +301,17 @@ def test_pallas_kernels_run_inside_the_shard_map(kind, moe, rng):
     np.testing.assert_allclose(two.draft_logits(ids), one.draft_logits(ids), rtol=tol, atol=tol)
     prompts = _prompts(rng, 2, cfg.vocab_size)
     assert _run(two, prompts, 2, _params(1) * 2)[0] == _run(one, prompts, 2, _params(1) * 2)[0]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_per_device_weight_plan_counts_what_a_rank_holds(wide, kind):
+    """``rank_weight_bytes`` (the memory plan of a model not loaded, from its config) equals the bytes of the
+    rank's sliced params, for every TP degree (KV heads replicated at 4 and 8, experts split, the head over V)."""
+    from jaxmtp import checkpoint
+    from jaxmtp.param_layout import weight_bytes
+    from jaxmtp.parallel import rank_weight_bytes, shard_native
+
+    params, cfg = checkpoint.load_hf_params(wide(kind), dtype="float32", progress=False)
+    for tp in (1, 2, 4, 8):
+        ranks = shard_native(params, cfg, tp)
+        assert {weight_bytes(t) for t in ranks} == {rank_weight_bytes(cfg, tp, "float32")}
