@@ -126,10 +126,12 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
     zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
     state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
                        jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32))
-    eng.state = state.replace(length=jnp.full((s,), context, jnp.int32),
-                              last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
-                              drafts=jnp.asarray(rng.integers(0, vocab, (s, k)), jnp.int32),
-                              generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
+    new = state.replace(length=jnp.full((s,), context, jnp.int32),
+                        last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
+                        drafts=jnp.asarray(rng.integers(0, vocab, eng.state.drafts.shape), jnp.int32),
+                        generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
+    # placed as the engine's state is (a sharded model's state spans the mesh; the loop donates it)
+    eng.state = jax.device_put(new, jax.tree.map(lambda a: a.sharding, state))
 
 
 def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:

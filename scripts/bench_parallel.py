@@ -60,7 +60,8 @@ def child(args) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 40).tolist() for _ in range(4)]
     tokens = {k: greedy(model, prompts, k) for k in (0, 3)}
-    out["spec_equals_plain"] = tokens[0] == tokens[3]
+    # bf16 random weights have near-ties everywhere: report how long spec and plain agree (tokens of 48)
+    out["spec_vs_plain_agreeing_prefix"] = [common_prefix(a, b) for a, b in zip(tokens[0], tokens[3])]
     del model
     if tp > 1 and args.exact_model:  # the same weights at TP 1 and TP N: do the sharded tokens agree?
         from jaxmtp.loaded_model import Model, serving_params
@@ -80,8 +81,10 @@ def child(args) -> dict:
             del m, p
         agree = [common_prefix(a, b) for a, b in zip(got[1][0], got[tp][0])]
         out["exact_model"] = {"model": args.exact_model, "tokens": 48, "agreeing_prefix_tp_vs_tp1": agree,
-                              "spec_equals_plain_tp1": got[1][0] == got[1][3],
-                              "spec_equals_plain_tp": got[tp][0] == got[tp][3]}
+                              "spec_vs_plain_agreeing_prefix_tp1": [common_prefix(a, b) for a, b in
+                                                                    zip(got[1][0], got[1][3])],
+                              "spec_vs_plain_agreeing_prefix_tp": [common_prefix(a, b) for a, b in
+                                                                   zip(got[tp][0], got[tp][3])]}
     return out
 
 
@@ -161,8 +164,8 @@ def main() -> None:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
-            sys.stderr.write(proc.stderr[-4000:])
-            runs.append({"tp": tp, "error": proc.stderr[-2000:]})
+            sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+            runs.append({"tp": tp, "returncode": proc.returncode, "error": proc.stdout[-1000:] + proc.stderr[-3000:]})
             continue
         runs.append(json.loads(line[-1][len("RESULT "):]))
         print(json.dumps(runs[-1]["steps"]), flush=True)

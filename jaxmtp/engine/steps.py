@@ -43,7 +43,10 @@ class SlotState:
     mtp_carry: tuple  # MTP KV caches (empty with k = 0)
     length: jax.Array  # [S] int32: tokens consumed by the target = position of `last`
     last: jax.Array  # [S] int32: newest emitted token, not yet fed to the target
-    drafts: jax.Array  # [S, k] int32: MTP drafts for positions length+1 .. length+k
+    # [S, max(k, 1)] int32: MTP drafts for positions length+1 .. length+k. With k = 0 one unused column: a
+    # zero-size array in a sharded model's state crashed XLA's GPU compiler (segfault compiling the k = 0 prefill
+    # inside the shard_map, jax 0.11.2 on 2 x H100), so no state array is empty.
+    drafts: jax.Array
     generated: jax.Array  # [S] int32: output tokens emitted so far
     max_gen: jax.Array  # [S] int32: token budget (min of max_new_tokens and the context room)
     active: jax.Array  # [S] bool
@@ -94,7 +97,8 @@ def init_state(cfg: Qwen35Config, slots: int, capacity: int, k: int, dtype, orac
     return SlotState(
         carry=init_carry(cfg, slots, capacity, dtype),
         mtp_carry=init_mtp_carry(cfg, slots, capacity, dtype) if k > 0 else (),
-        length=z(jnp.int32), last=z(jnp.int32), drafts=jnp.zeros((slots, k), jnp.int32), generated=z(jnp.int32),
+        length=z(jnp.int32), last=z(jnp.int32), drafts=jnp.zeros((slots, max(k, 1)), jnp.int32),
+        generated=z(jnp.int32),
         max_gen=z(jnp.int32), active=z(bool), temperature=z(jnp.float32), top_k=z(jnp.int32),
         top_p=jnp.ones((slots,), jnp.float32), seed_lo=z(jnp.uint32), seed_hi=z(jnp.uint32),
         stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
@@ -214,7 +218,8 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     fslots = jnp.where(final, slots, jnp.iinfo(jnp.int32).max)  # only final rows touch the slot fields
     put = lambda a, v: a.at[fslots].set(v, mode="drop")  # noqa: E731
     new_state = new_state.replace(
-        length=put(state.length, prompt_len), last=put(state.last, first), drafts=put(state.drafts, drafts),
+        length=put(state.length, prompt_len), last=put(state.last, first),
+        drafts=put(state.drafts, drafts) if k > 0 else state.drafts,
         generated=put(state.generated, n_emit), active=put(state.active, ~finished),
     )
     return new_state, first, finished & final, reason
@@ -226,7 +231,7 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     ``sampling=False`` compiles greedy choice only: right when no slot that counts has temperature > 0, and without
     the sampling conditional, whose predicate costs a host round trip inside the step on GPUs (docs/engine.md)."""
     act = state.active
-    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)  # [S, k+1]
+    tokens = jnp.concatenate([state.last[:, None], state.drafts[:, :k]], axis=1) if k else state.last[:, None]
     pos = jnp.where(act[:, None], state.length[:, None] + jnp.arange(k + 1), -1)
     logits, hidden, carry = forward(params, tokens, pos, state.carry, cfg=cfg, logits="all", step_states=k > 0,
                                     backend=backend)
