@@ -150,7 +150,8 @@ class Model:
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
-                f"mtp_layers={c.mtp_num_hidden_layers}, dtype={jnp.dtype(self.dtype).name}, path={self.path!r})")
+                f"mtp_layers={c.mtp_num_hidden_layers}, dtype={jnp.dtype(self.dtype).name}, "
+                + (f"tensor_parallel_size={self.layout.tp}, " if self.layout is not None else "") + f"path={self.path!r})")
 
 
 def eos_token_ids(cfg: Qwen35Config, generation_config: dict) -> tuple[int, ...]:

@@ -315,3 +315,16 @@ def test_the_per_device_weight_plan_counts_what_a_rank_holds(wide, kind):
     for tp in (1, 2, 4, 8):
         ranks = shard_native(params, cfg, tp)
         assert {weight_bytes(t) for t in ranks} == {rank_weight_bytes(cfg, tp, "float32")}
+
+
+def test_the_server_refuses_an_impossible_tensor_parallel_size(caplog):
+    """A layout the model cannot take or the machine cannot hold: exit code 2 and one line naming the numbers."""
+    from jaxmtp import serve
+
+    with caplog.at_level("ERROR"):
+        assert serve.main(["-tp", "3", "--port", "0"]) == 2  # the default model
+    assert "tensor_parallel_size=3 does not divide" in caplog.text and "Traceback" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        assert serve.main(["--tensor-parallel-size", "16", "--random-model", "tiny", "--port", "0"]) == 2
+    assert "tensor_parallel_size=16" in caplog.text
