@@ -232,6 +232,9 @@ def native_layout(params: dict, cfg) -> dict:
     split back into their projections (padding dropped), transposed output projections turned back, and
     ``draft_head`` removed. Native params pass unchanged. int8 MTP weights (:func:`quantize_mtp`) cannot be turned
     back into the checkpoint's: a ConfigError."""
+    if getattr(params.get("embed_tokens"), "ndim", 2) == 3:
+        raise ConfigError("these params are split over a tensor-parallel mesh (every leaf stacked [tp, ...], "
+                          "jaxmtp.parallel): load the model without tensor_parallel_size to export it")
     if has_quantized_mtp(params):
         raise ConfigError("these params hold the MTP layer as int8 (the serving layout's drafting copy), not the "
                           "checkpoint's weights: load with int8_draft_head=False (--exact-draft-head) to export")

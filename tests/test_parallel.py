@@ -328,3 +328,11 @@ def test_the_server_refuses_an_impossible_tensor_parallel_size(caplog):
     with caplog.at_level("ERROR"):
         assert serve.main(["--tensor-parallel-size", "16", "--random-model", "tiny", "--port", "0"]) == 2
     assert "tensor_parallel_size=16" in caplog.text
+
+
+def test_sharded_params_are_not_exported_as_a_checkpoint(wide):
+    from jaxmtp.hf_export import hf_tensors
+
+    m = _load(wide("dense"), 2)
+    with pytest.raises(ConfigError, match="split over a tensor-parallel mesh"):
+        hf_tensors(m.params, m.config)
