@@ -106,6 +106,8 @@ def get_engine(model: Model, *, num_slots: int, max_context: int, num_draft_toke
                steps_per_sync: int = 8, prefill_chunk: int = 256) -> Engine:
     """An engine for these settings, cached on the model so repeated calls reuse compiled steps."""
     cache = model.__dict__.setdefault("_engines", {})
+    dp = model.layout.dp if model.layout is not None else 1
+    num_slots = -(-num_slots // dp) * dp  # an equal share of slots per data-parallel replica
     key = (num_slots, max_context, num_draft_tokens, steps_per_sync, prefill_chunk)
     if key not in cache:
         # No slot buckets: the slot count already matches the call's batch, and compiling smaller steps as
@@ -245,6 +247,8 @@ def main(argv=None) -> int:
                     help="auto: float32 on CPU, bfloat16 on accelerators (as jaxmtp.load and the server)")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the model over N devices (docs/engine.md, Parallelism)")
+    ap.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="M",
+                    help="M replicas of the tensor-parallel group (docs/engine.md, Parallelism)")
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help="draft only among these token ids (jaxmtp.draft_vocab; same output, cheaper drafts)")
     from jaxmtp.compile_cache import add_arguments, enable_from_args
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
     try:
         enable_from_args(args)  # before anything compiles
         model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab,
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
         _, engine, ids, rids, _ = _prepare(
             model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, stop=args.stop,

@@ -202,7 +202,7 @@ def resolve_dtype(dtype="auto"):
 def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Backend" = "auto",
          progress: bool = True, int8_draft_head: bool = True, draft_vocab=None,
          draft_head_bits: int | None = None, memory_fraction: float | None = None, tensor_parallel_size: int = 1,
-         mesh=None, tensor_parallel_reduce: str = "psum") -> Model:
+         data_parallel_size: int = 1, mesh=None, tensor_parallel_reduce: str = "psum") -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"``,
@@ -226,7 +226,9 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     ``tensor_parallel_size`` (vLLM's name): split the model over that many devices, taken in order (or over ``mesh``,
     a ``jax.sharding.Mesh`` with the one axis ``"tp"``): attention and Gated DeltaNet heads, MLP widths and MoE experts
     per rank, the LM head over the vocabulary (:mod:`jaxmtp.parallel`; docs/engine.md). ``load_info`` then counts
-    one device's bytes. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a fixed order, so that
+    one device's bytes. ``data_parallel_size`` (vLLM's name): that many replicas of the TP group (devices
+    ``[d tp, (d+1) tp)`` for replica d, or a mesh with the axes ``("dp", "tp")``), each holding the weights and an
+    equal share of an engine's slots. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a fixed order, so that
     every TP degree gives the same bits as ``tensor_parallel_size=1`` in that mode (slower; for tests and
     debugging); the default ``"psum"`` is the fast all-reduce.
     """
@@ -246,12 +248,13 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     check_draft_head_options(int8_draft_head, draft_head_bits)
-    sharded = mesh is not None or tensor_parallel_size != 1 or tensor_parallel_reduce != "psum"
+    sharded = (mesh is not None or tensor_parallel_size != 1 or data_parallel_size != 1
+               or tensor_parallel_reduce != "psum")
     if sharded:  # an impossible layout is refused before any weight is read
         from jaxmtp.parallel import make_layout
 
-        layout = make_layout(Qwen35Config.from_pretrained(path), tensor_parallel_size, mesh=mesh,
-                             reduce=tensor_parallel_reduce)
+        layout = make_layout(Qwen35Config.from_pretrained(path), tensor_parallel_size, dp=data_parallel_size,
+                             mesh=mesh, reduce=tensor_parallel_reduce)
     ids = None
     if draft_vocab is not None or draft_head_bits == 4:  # checked before any weight is read
         cfg0 = Qwen35Config.from_pretrained(path)

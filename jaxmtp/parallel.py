@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.pallas.collectives import TensorParallel
 
-TP = "tp"
+TP, DP = "tp", "dp"
 
 
 def check_layout(cfg: Qwen35Config, tp: int) -> None:
@@ -184,23 +184,28 @@ def shard_native(params: dict, cfg: Qwen35Config, tp: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 # The mesh, placement and the shard_map
 # ---------------------------------------------------------------------------------------------------------------
-def make_mesh(tp: int, devices=None) -> Mesh:
-    """A ``("tp",)`` mesh over the first ``tp`` devices (or ``devices``)."""
+def make_mesh(tp: int, dp: int = 1, devices=None) -> Mesh:
+    """A ``("dp", "tp")`` mesh over the first ``dp * tp`` devices (or ``devices``), tp groups of consecutive
+    devices."""
     devices = list(jax.devices() if devices is None else devices)
-    if tp > len(devices):
-        raise ConfigError(f"tensor_parallel_size={tp} needs {tp} devices, but {len(devices)} "
-                          f"{jax.default_backend()} device(s) are present")
-    return Mesh(np.asarray(devices[:tp]), (TP,))
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"data_parallel_size must be a positive integer, not {dp!r}")
+    if dp * tp > len(devices):
+        raise ConfigError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {dp * tp} devices, but "
+                          f"{len(devices)} {jax.default_backend()} device(s) are present")
+    return Mesh(np.asarray(devices[:dp * tp]).reshape(dp, tp), (DP, TP))
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """How a sharded model is spread: the mesh, its TP degree, the rank's config and the collectives' setting."""
+    """How a sharded model is spread: the ``("dp", "tp")`` mesh, its TP and DP degrees, the rank's config and the
+    collectives' setting. DP replicas hold the same weights and a slice of the engine's slots each."""
 
     mesh: Mesh
     tp: int
     local_config: Qwen35Config
     collectives: TensorParallel
+    dp: int = 1
 
     def backend(self, backend):
         """``backend`` with this layout's collectives (:class:`jaxmtp.pallas.Backend`)."""
@@ -232,16 +237,39 @@ class ParallelLayout:
         return P(*([None] * (ndim - 1) + [TP])) if self.collectives.vocab_sharded else P()
 
 
-def make_layout(cfg: Qwen35Config, tp: int, *, mesh: Mesh | None = None, reduce: str = "psum") -> ParallelLayout:
-    """The layout for ``tp`` ranks (devices in order) or a given ``("tp",)`` mesh; errors name what does not fit."""
+def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = None,
+                reduce: str = "psum") -> ParallelLayout:
+    """The layout for ``dp`` replicas of ``tp`` ranks (devices in order), or a given mesh with the axes ``("tp",)``
+    or ``("dp", "tp")``; errors name what does not fit."""
     if mesh is not None:
-        if tuple(mesh.axis_names) != (TP,):
-            raise ConfigError(f"the mesh must have the one axis ('tp',), not {tuple(mesh.axis_names)}")
-        tp = mesh.shape[TP]
+        names = tuple(mesh.axis_names)
+        if names == (TP,):
+            mesh = Mesh(mesh.devices.reshape(1, -1), (DP, TP))
+        elif names != (DP, TP):
+            raise ConfigError(f"the mesh must have the axes ('tp',) or ('dp', 'tp'), not {names}")
+        tp, dp = mesh.shape[TP], mesh.shape[DP]
     check_layout(cfg, tp)
-    mesh = mesh if mesh is not None else make_mesh(tp)
+    mesh = mesh if mesh is not None else make_mesh(tp, dp)
     collectives = TensorParallel(size=tp, reduce=reduce, vocab_sharded=vocab_sharded(cfg, tp))
-    return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives)
+    return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives, dp)
+
+
+def data_parallel_prefill(fn: Callable) -> Callable:
+    """:func:`jaxmtp.engine.steps.prefill_chunk` on one DP replica, whose state holds slots ``[d n, (d+1) n)``: the
+    rows of other replicas' slots run too and are dropped (their ids out of range), and each row's outputs (first
+    token, finished, reason) come from the replica that holds its slot."""
+
+    def local(params, state, slots, *rest):
+        import jax.numpy as jnp
+
+        n = state.length.shape[0]
+        lo = jax.lax.axis_index(DP) * n
+        mine = (slots >= lo) & (slots < lo + n)
+        state, *outs = fn(params, state, jnp.where(mine, slots - lo, jnp.iinfo(jnp.int32).max), *rest)
+        merged = [jax.lax.psum(jnp.where(mine, o, 0).astype(jnp.int32), DP).astype(o.dtype) for o in outs]
+        return (state, *merged)
+
+    return local
 
 
 def place(rank_trees: list[dict], layout: ParallelLayout):
@@ -303,7 +331,7 @@ def random_params(cfg: Qwen35Config, layout: ParallelLayout, dtype, backend=None
     if quantize_mtp_layer is None:
         quantize_mtp_layer = draft_head and quantizes_mtp(backend)
     per_rank = []
-    for r, device in enumerate(layout.mesh.devices.flat):
+    for (_, r), device in np.ndenumerate(layout.mesh.devices):  # every replica's copy drawn from the same key
         with jax.default_device(device):
             t = init_params(local, jax.random.PRNGKey(seed), dtype)
             head = serving_draft_head(t, draft_head=draft_head, draft_head_bits=draft_head_bits, backend=backend)
@@ -321,14 +349,15 @@ def random_params(cfg: Qwen35Config, layout: ParallelLayout, dtype, backend=None
     return _stack_on_devices(per_rank, layout)
 
 
-def _stack_on_devices(per_rank: list[dict], layout: ParallelLayout):
-    """Rank r's device arrays (on device r) as stacked ``[tp, ...]`` leaves with ``P("tp")``."""
-    leaves = [jax.tree_util.tree_flatten(t) for t in per_rank]
+def _stack_on_devices(per_device: list[dict], layout: ParallelLayout):
+    """Each device's arrays (rank r's on every device of tp coordinate r) as stacked ``[tp, ...]`` leaves with
+    ``P("tp")``."""
+    leaves = [jax.tree_util.tree_flatten(t) for t in per_device]
     sharding = layout.sharding(P(TP))
     out = []
     for i in range(len(leaves[0][0])):
         parts = [lv[0][i][None] for lv in leaves]
-        out.append(jax.make_array_from_single_device_arrays((len(parts),) + parts[0].shape[1:], sharding, parts))
+        out.append(jax.make_array_from_single_device_arrays((layout.tp,) + parts[0].shape[1:], sharding, parts))
     return jax.tree_util.tree_unflatten(leaves[0][1], out)
 
 
@@ -362,34 +391,30 @@ def device_bytes(params) -> int:
 
 
 def carry_spec(path) -> Any:
-    """The spec of a carry leaf by its field: KV ``k``/``v`` [S, H, rows, D] and GDN ``state`` [S, Hv, dk, dv] on
-    axis 1, the GDN ``conv`` ring [S, K, C] on axis 2."""
+    """The spec of a carry leaf by its field: slots over the DP replicas; KV ``k``/``v`` [S, H, rows, D] and GDN
+    ``state`` [S, Hv, dk, dv] over the ranks on axis 1, the GDN ``conv`` ring [S, K, C] on axis 2."""
     name = getattr(path[-1], "name", None)
     if name in ("k", "v", "state"):
-        return P(None, TP)
+        return P(DP, TP)
     if name == "conv":
-        return P(None, None, TP)
+        return P(DP, None, TP)
     raise ValueError(f"unknown carry leaf {jax.tree_util.keystr(path)}")
 
 
 def state_specs(state) -> Any:
-    """Specs of a :class:`jaxmtp.engine.steps.SlotState`: carries split over ranks, every per-slot field
-    replicated."""
+    """Specs of a :class:`jaxmtp.engine.steps.SlotState`: every per-slot field split over the DP replicas, carries
+    also over the ranks; the oracle's shared corruption distribution and seed replicated."""
     def spec(path, _):
         keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
         if keys and keys[0] in ("carry", "mtp_carry"):
             return carry_spec(path)
-        return P()
+        if keys and keys[0] == "oracle" and keys[-1] in ("probs", "seed"):
+            return P()
+        return P(DP)
 
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def model_carry_specs(carry) -> Any:
-    """Specs of a model carry (a tuple of KVCache / GDNCarry)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: carry_spec(path), carry)
-
-
-__all__ = ["ParallelLayout", "TP", "carry_spec", "check_layout", "device_bytes", "local_config", "make_layout",
-           "make_mesh", "model_carry_specs", "place", "random_params", "rank_weight_bytes", "shard_native", "sharded_serving_params",
-           "state_specs",
-           "vocab_sharded"]
+__all__ = ["DP", "ParallelLayout", "TP", "carry_spec", "check_layout", "data_parallel_prefill", "device_bytes",
+           "local_config", "make_layout", "make_mesh", "place", "random_params", "rank_weight_bytes", "shard_native",
+           "sharded_serving_params", "state_specs", "vocab_sharded"]

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N devices, taken in order: heads, MLP widths and MoE experts per device "
                         "(docs/engine.md, Parallelism)")
+    g.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="M",
+                   help="M replicas of the tensor-parallel group, each with an equal share of the slots "
+                        "(--slots must be a multiple of M)")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")
@@ -132,11 +135,11 @@ def load_model(args):
             raise ValueError("--draft-vocab takes a checkpoint's token ids; it does not apply to --random-model")
         return random_model(args.random_model, dtype=dtype, backend=args.backend,
                             int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits,
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
                        int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
                        draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization,
-                       tensor_parallel_size=args.tensor_parallel_size)
+                       tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
 async def serve(args) -> int:

@@ -45,11 +45,18 @@ def _run(model, prompts, k, params, state=True):
     """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None)."""
     eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16)
     ids = [eng.add_request(p, prm) for p, prm in zip(prompts, params)]
+    reqs = [eng._by_id[i] for i in ids]
     out = {i: [] for i in ids}
     while eng.has_work():
         for o in eng.step():
             out[o.request_id] += o.token_ids
-    return [out[i] for i in ids], (jax.device_get(eng.state) if state else None)
+    if not state:
+        return [out[i] for i in ids], None
+    host = jax.device_get(eng.state)
+    # slot i of the returned state holds request i (a DP engine spreads requests over its replicas' slots)
+    order = np.asarray([r.slot for r in reqs] + [s for s in range(4) if s not in {r.slot for r in reqs}])
+    host = jax.tree.map(lambda a: a[order] if a.ndim and a.shape[0] == 4 else a, host)
+    return [out[i] for i in ids], host
 
 
 def _one_device_carry(carry, cfg, tp):
@@ -336,3 +343,28 @@ def test_sharded_params_are_not_exported_as_a_checkpoint(wide):
     m = _load(wide("dense"), 2)
     with pytest.raises(ConfigError, match="split over a tensor-parallel mesh"):
         hf_tensors(m.params, m.config)
+
+
+@pytest.mark.parametrize("kind,tp,k", [("dense", 2, 3), ("moe", 1, 2)])
+def test_data_parallel_replicas_match_one_device(wide, kind, tp, k, rng):
+    """DP 2 (x TP 2, and x TP 1): each replica holds half the slots; greedy and seeded requests spread over both
+    emit one device's tokens, and the carries (slot i of the global state on replica i // (slots / 2)) agree."""
+    path = wide(kind)
+    prompts = _prompts(rng, 4, 128)
+    want, ref = _run(_load(path), prompts, k, _params(4))
+    m = jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, data_parallel_size=2)
+    assert m.layout.dp == 2 and m.layout.mesh.devices.shape == (2, tp)
+    got, state = _run(m, prompts, k, _params(4))
+    assert got == want
+    for name in ("carry", "mtp_carry"):
+        ours = _one_device_carry(getattr(state, name), m.config, tp)
+        theirs = [(c.conv, c.state) if hasattr(c, "conv") else (c.k, c.v) for c in getattr(ref, name)]
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            for x, y in zip(a, b):
+                _close(x, y, f"{name}[{i}]")
+    np.testing.assert_array_equal(state.length, ref.length)
+    eng = Engine(m, num_slots=4, max_context=64, num_draft_tokens=k)
+    assert eng.plan.kv_per_slot > 0 and eng.slot_buckets == [4]
+    with pytest.raises(Exception, match="multiple of data_parallel_size=2"):
+        Engine(m, num_slots=3, max_context=64, num_draft_tokens=k)
+    assert jaxmtp.generate(m, prompts[0], max_new_tokens=6, num_draft_tokens=k).token_ids == want[0][:6]

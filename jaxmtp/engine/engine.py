@@ -31,7 +31,7 @@ from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_num_draft_tokens
 from jaxmtp.param_layout import weight_bytes
-from jaxmtp.parallel import device_bytes, state_specs
+from jaxmtp.parallel import DP, data_parallel_prefill, device_bytes, state_specs
 from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_strings
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
@@ -168,9 +168,15 @@ class Engine:
         self.max_prefill_batch = max_prefill_batch or min(num_slots, 8)
         layout = model.layout  # tensor parallelism (jaxmtp.parallel): the device functions run one rank's shapes
         run_cfg = model.run_config
+        self.data_parallel = dp = layout.dp if layout is not None else 1
+        if num_slots % dp:
+            raise EngineConfigError(f"num_slots={num_slots} must be a multiple of data_parallel_size={dp} (each "
+                                    "replica holds an equal share of the slots)")
+        if dp > 1:  # every replica steps all its slots (slot buckets are prefixes of one replica's slots)
+            slot_buckets = False
         weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
-        # one device's bytes: a rank's heads and widths, its share of the weights
-        self.plan = memory_plan(run_cfg, num_slots, max_context, self.k, model.dtype, weights=weights)
+        # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
+        self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
@@ -203,7 +209,9 @@ class Engine:
         self._set_oracle = slot_jit(steps.set_oracle_row)
         prefill = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend)
         if layout is not None:  # the model's functions run inside the mesh's shard_map
-            s_spec, rep = state_specs(self.state), P()
+            s_spec, rep, per_slot = state_specs(self.state), P(), P(None, DP)  # step outputs [N, slots, ...]
+            if dp > 1:
+                prefill = data_parallel_prefill(prefill)
             prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep))
         self._prefill = jax.jit(counted("prefill", prefill), donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
@@ -217,7 +225,7 @@ class Engine:
             fn = functools.partial(run, cfg=run_cfg, k=self.k, num_steps=steps_per_sync, backend=backend,
                                    sampling=sampling)
             if layout is not None:
-                fn = layout.shard_map(fn, (s_spec,), (s_spec, rep))
+                fn = layout.shard_map(fn, (s_spec,), (s_spec, per_slot))
             return jax.jit(counted(name, fn), donate_argnums=1)
 
         # Each width twice: greedy only, and with sampling. The greedy loop has no sampling conditional, whose
@@ -359,10 +367,15 @@ class Engine:
     def _admit_queued(self):
         free = [s for s, r in enumerate(self._slots) if r is None]
         new = []
+        per_replica = self.num_slots // self.data_parallel
+        busy = collections.Counter(s // per_replica for s, r in enumerate(self._slots) if r is not None)
         with self._lock:
             while free and self._queue:
                 req = self._queue.popleft()
-                req.slot = free.pop(0)
+                # lowest free slot (slot buckets step the busy prefix); with DP, on the least busy replica
+                req.slot = min(free, key=lambda s: (busy[s // per_replica], s)) if self.data_parallel > 1 else free[0]
+                free.remove(req.slot)
+                busy[req.slot // per_replica] += 1
                 req.admitted = time.perf_counter()
                 self._slots[req.slot] = req
                 new.append(req)

@@ -43,20 +43,20 @@ def random_config(name: str) -> Qwen35Config:
 
 def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True,
                  draft_vocab: int | None = None, draft_head_bits: int | None = None,
-                 tensor_parallel_size: int = 1) -> Model:
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Model:
     """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
     serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`). ``draft_vocab``: a hot draft
     vocabulary of that many ids (the first ones: with random weights, which ids are hot does not matter; for step
-    costs). ``tensor_parallel_size``: as :func:`jaxmtp.load`."""
+    costs). ``tensor_parallel_size``, ``data_parallel_size``: as :func:`jaxmtp.load`."""
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
     backend = resolve_backend(backend, cfg, dtype)
-    if tensor_parallel_size != 1:  # each rank's weights drawn on its device
+    if tensor_parallel_size != 1 or data_parallel_size != 1:  # each rank's weights drawn on its devices
         from jaxmtp.parallel import make_layout, random_params
 
         if draft_vocab is not None:
             raise ValueError("a tensor-parallel random model has no draft vocabulary")
-        layout = make_layout(cfg, tensor_parallel_size)
+        layout = make_layout(cfg, tensor_parallel_size, dp=data_parallel_size)
         params = random_params(cfg, layout, dtype, backend, seed=seed, draft_head=int8_draft_head,
                                draft_head_bits=draft_head_bits)
         return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
