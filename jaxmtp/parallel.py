@@ -1,9 +1,9 @@
-"""Tensor and expert parallelism on a JAX mesh: which rank holds which slice of the model, and the one
+"""Tensor, expert and data parallelism on a JAX mesh: which rank holds which slice of the model, and the one
 ``shard_map`` every device function of a sharded model runs in.
 
 Design (docs/engine.md, "Parallelism"):
 
-* Mesh axis ``"tp"``. Every device function (prefill chunk, the device loop of speculative steps, full forwards)
+* Mesh axes ``("dp", "tp")``. Every device function (prefill chunk, the device loop of speculative steps, full forwards)
   runs inside one ``jax.shard_map``, so each Pallas kernel sees its rank's local shapes and the collectives are the
   few explicit ones of :mod:`jaxmtp.pallas.collectives`: Pallas calls cannot be partitioned automatically.
 * Each rank's params are a native-layout tree of local shapes (:func:`shard_native`), turned into the serving
@@ -23,7 +23,9 @@ Design (docs/engine.md, "Parallelism"):
 * Carries: KV caches ``[slots, Hkv_local * tp, S, D]`` sharded on the head axis, GDN conv rings on the channel axis
   (rank-major, matching the fused projection), recurrent states on the value-head axis; per-slot fields replicated.
 
-Data parallelism is not built yet: serve one model per device group behind a front end (docs/engine.md).
+* Data parallelism: the mesh is ``("dp", "tp")``; DP replicas hold the same weights and an equal share of the
+  engine's slots (every per-slot field split over ``"dp"``); a prefill chunk's rows run on every replica, each
+  keeping its own slots' rows (:func:`data_parallel_prefill`).
 """
 
 from __future__ import annotations
