@@ -3,9 +3,10 @@
 
 Design (docs/engine.md, "Parallelism"):
 
-* Mesh axes ``("dp", "tp")``. Every device function (prefill chunk, the device loop of speculative steps, full forwards)
-  runs inside one ``jax.shard_map``, so each Pallas kernel sees its rank's local shapes and the collectives are the
-  few explicit ones of :mod:`jaxmtp.pallas.collectives`: Pallas calls cannot be partitioned automatically.
+* Mesh axes ``("dp", "tp")``. Every device function (prefill chunk, the device loop of speculative steps, full
+  forwards) runs inside one ``jax.shard_map``, so each Pallas kernel sees its rank's local shapes and the
+  collectives are the few explicit ones of :mod:`jaxmtp.pallas.collectives`: Pallas calls cannot be partitioned
+  automatically.
 * Each rank's params are a native-layout tree of local shapes (:func:`shard_native`), turned into the serving
   layout rank by rank, so fused projections hold ``[q_r | k_r | v_r | z_r | b_r | a_r]`` for rank r and nothing
   is re-laid at run time. On the devices every leaf is stacked over ranks, ``[tp, ...]`` with ``P("tp")``: rank r
@@ -193,8 +194,9 @@ def make_mesh(tp: int, dp: int = 1, devices=None) -> Mesh:
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ConfigError(f"data_parallel_size must be a positive integer, not {dp!r}")
     if dp * tp > len(devices):
-        raise ConfigError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {dp * tp} devices, but "
-                          f"{len(devices)} {jax.default_backend()} device(s) are present")
+        sizes = f"tensor_parallel_size={tp}" + (f" x data_parallel_size={dp}" if dp > 1 else "")
+        raise ConfigError(f"{sizes} needs {dp * tp} devices, but {len(devices)} {jax.default_backend()} device(s) "
+                          "are present")
     return Mesh(np.asarray(devices[:dp * tp]).reshape(dp, tp), (DP, TP))
 
 

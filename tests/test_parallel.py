@@ -100,6 +100,10 @@ def test_impossible_layouts_name_the_numbers(wide):
                                 intermediate_size=64)
     with pytest.raises(ConfigError, match="tensor_parallel_size=16 needs 16 devices, but 8 cpu device"):
         make_layout(wider, 16)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 x data_parallel_size=4 needs 16 devices"):
+        make_layout(cfg, 4, dp=4)
+    with pytest.raises(ConfigError, match="data_parallel_size must be a positive integer"):
+        make_layout(cfg, 2, dp=0)
     moe_cfg = _load(wide("moe")).config
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the 6 experts"):
         check_layout(dataclasses.replace(moe_cfg, num_experts=6), 4)
