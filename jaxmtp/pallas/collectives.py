@@ -10,11 +10,13 @@ and the only communication is what this module does:
 
 :class:`TensorParallel` is carried by the :class:`jaxmtp.pallas.Backend` (``backend.parallel``), so the ops that
 end a block reduce without any layer knowing about ranks. ``reduce="psum"`` (the default) sums with ``lax.psum``
-in float32; ``reduce="fixed"`` is the exact mode: each row-parallel product is computed as ``chunks`` fixed slices
-of its K axis whose float32 partial products are summed in one balanced tree of the same shape at every TP degree
-(the slices a rank owns are a subtree; the ranks' subtree sums are gathered and the tree finished in rank order),
-so TP = 1, 2, 4, 8 give bit-identical results (tests use it; on a CPU psum is not bit-reproducible across
-layouts). MoE experts are whole on one rank, so their reduction is exact already (one rank's value plus zeros).
+in float32; ``reduce="fixed"`` fixes the order: each row-parallel product is computed as ``chunks`` fixed slices of
+its K axis whose float32 partial products are summed in one balanced tree of the same shape at every TP degree (the
+slices a rank owns are a subtree; the ranks' subtree sums are gathered and the tree finished in rank order), so the
+reduction gives the same bits at TP 1, 2, 4, 8 and across processes, where a psum does not. (Whole outputs are
+bit-identical across TP degrees only where each rank's per-head ops compile to the same arithmetic as one device's,
+which XLA's CPU backend does not guarantee: docs/engine.md, "Parallelism".) MoE experts are whole on one rank, so
+their reduction is exact in either mode (one rank's value plus zeros).
 """
 
 from __future__ import annotations
