@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmtp.pallas import attention as _attention
+from jaxmtp.pallas import collectives as _collectives
 from jaxmtp.pallas import draft_input as _draft_input
 from jaxmtp.pallas import gated_delta_rule as _gdr
 from jaxmtp.pallas import matmul as _matmul
 from jaxmtp.pallas import moe as _moe
 from jaxmtp.pallas import norms as _norms
-from jaxmtp.pallas import collectives as _collectives
 from jaxmtp.pallas._common import SplitSum, dense
 from jaxmtp.pallas.backend import Backend
 from jaxmtp.pallas.gated_delta_rule.mixer_reference import gdn_mixer_reference
