@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -264,8 +265,6 @@ def data_parallel_prefill(fn: Callable) -> Callable:
     token, finished, reason) come from the replica that holds its slot."""
 
     def local(params, state, slots, *rest):
-        import jax.numpy as jnp
-
         n = state.length.shape[0]
         lo = jax.lax.axis_index(DP) * n
         mine = (slots >= lo) & (slots < lo + n)
@@ -368,8 +367,6 @@ def _stack_on_devices(per_device: list[dict], layout: ParallelLayout):
 def rank_weight_bytes(cfg: Qwen35Config, tp: int, dtype="bfloat16", include_mtp: bool = True) -> int:
     """Bytes of one rank's native-layout weights at TP ``tp`` (the serving layout's quantised draft head, replicated,
     comes on top), from the config: for the per-device memory plan of a model not loaded."""
-    import jax.numpy as jnp
-
     from jaxmtp.model import param_shapes
     from jaxmtp.param_layout import weight_bytes
 
