@@ -56,3 +56,28 @@ def quantize_rows_int4(w, *, transposed: bool = False, rows_per_chunk: int = DRA
         return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], k // 2).astype(xp.uint8)
 
     return _quantize_rows(w, 7, transposed, rows_per_chunk, pack)
+
+
+def quantize_fp8_blocks(w, *, block: int = 128):
+    """Block FP8 as the official Qwen3.5 FP8 checkpoints store it: ``w [..., N, K]`` -> (e4m3 [..., N, K], float32
+    scale [..., ceil(N/block), ceil(K/block)]) with ``w ~= q * scale`` of q's block: scale = absmax of the block /
+    448 (1 for an all-zero block), q = w / scale rounded to nearest e4m3. Runs on numpy (host, through ml_dtypes) or
+    jax arrays, block row by block row (bounds the float32 temporaries)."""
+    from jaxmtp.pallas.matmul.reference import FP8_DTYPE, FP8_MAX
+
+    xp = array_module(w)
+    *lead, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    qs, scales = [], []
+    for r in range(nb):
+        rows = xp.asarray(w[..., r * block : (r + 1) * block, :], dtype=xp.float32)
+        pad = kb * block - k
+        padded = xp.concatenate([rows, xp.zeros((*rows.shape[:-1], pad), xp.float32)], axis=-1) if pad else rows
+        blocks = padded.reshape(*rows.shape[:-1], kb, block)
+        amax = xp.max(xp.abs(blocks), axis=(-3, -1))  # [..., kb]
+        scale = xp.where(amax > 0, amax / FP8_MAX, 1.0).astype(xp.float32)
+        per_col = xp.repeat(scale, block, axis=-1)[..., :k]
+        q = xp.clip(rows / per_col[..., None, :], -FP8_MAX, FP8_MAX)
+        qs.append(q.astype(FP8_DTYPE))
+        scales.append(scale[..., None, :])
+    return xp.concatenate(qs, axis=-2), xp.concatenate(scales, axis=-2)

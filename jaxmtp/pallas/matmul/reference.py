@@ -82,3 +82,33 @@ def argmax_from_partials(vals: jax.Array, idx: jax.Array) -> jax.Array:
     (each program's largest value per row and the first column holding it): [R]."""
     best = jnp.argmax(vals, axis=-1)
     return jnp.take_along_axis(idx, best[:, None], axis=1)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-FP8 weights (the official Qwen3.5 FP8 checkpoints): e4m3 values [..., N, K] and one float32 scale per
+# 128 x 128 block [..., ceil(N/128), ceil(K/128)] (HF's ``weight_scale_inv``: it multiplies), the last block of
+# either axis possibly partial.
+# ---------------------------------------------------------------------------------------------------------------
+FP8_BLOCK = 128
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def expand_block_scale(block_scale: jax.Array, n: int, k: int, block: int = FP8_BLOCK) -> jax.Array:
+    """Per-element scales [..., n, k] from block scales [..., ceil(n/block), ceil(k/block)]."""
+    s = jnp.repeat(jnp.repeat(block_scale, block, axis=-2)[..., :n, :], block, axis=-1)
+    return s[..., :k]
+
+
+def dequantize_fp8(w: jax.Array, block_scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``w * scale`` of its block, [..., N, K], computed in float32 (one rounding) and cast to ``dtype``."""
+    n, k = w.shape[-2:]
+    return (w.astype(jnp.float32) * expand_block_scale(block_scale.astype(jnp.float32), n, k)).astype(dtype)
+
+
+def fp8_matmul_reference(x: jax.Array, w: jax.Array, block_scale: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``x @ dequantize_fp8(w)^T``: x [..., K]; w e4m3 [N, K]; block_scale [ceil(N/128), ceil(K/128)]. The weight
+    is dequantised to x's dtype (exact in float32; one rounding in bfloat16) and multiplied with float32
+    accumulation. Returns [..., N] in ``out_dtype`` (default x.dtype)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    return einsum_f32("...k,nk->...n", x, dequantize_fp8(w, block_scale, x.dtype)).astype(out_dtype)
