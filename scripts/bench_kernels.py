@@ -6,7 +6,8 @@
 Sections: ``ceilings`` (device copy, bf16 matmul), ``check`` (every kernel vs its reference at Qwen3.5 shapes, bf16),
 ``fla_check`` (FLA computes the same function), ``recurrent``, ``commit`` (every layer's verify commit in one launch
 vs one per layer), ``chunk``, ``attention``, ``moe``, ``matmul`` (few-row projections and the quantised draft head;
-timings), ``sweep`` / ``sweep_final`` / ``moe_sweep`` (tiles). The kernels inside a model (prefill, decode, verify
+timings), ``fp8`` (block-FP8 weights at 27B shapes vs bf16; not in the default list: ``--sections ceilings,fp8``),
+``sweep`` / ``sweep_final`` / ``moe_sweep`` (tiles). The kernels inside a model (prefill, decode, verify
 against the XLA path) are checked by ``pytest -m gpu tests/test_gpu_checks.py``.
 Everything does not fit in one 10-minute device call: see docs/performance.md ("Kernels") for the calls used.
 
@@ -693,6 +694,60 @@ def section_matmul():
                     chain=chain_rows), nbytes)
 
 
+# (weight, K, N) of Qwen3.5-27B projections that the official FP8 checkpoint holds as e4m3 [N, K] with 128 x 128
+# block scales
+FP8_SHAPES = [("mlp gate, up", 5120, 17408), ("mlp down", 17408, 5120), ("attn q|k|v", 5120, 12288),
+              ("gdn in_proj qkv|z", 5120, 16384)]
+FP8_ROWS = (1, 4, 32)  # decode, a k = 3 verify window, batch decode
+
+
+def section_fp8():
+    """Block-FP8 weights at Qwen3.5-27B shapes, 1 / 4 / 32 rows: the FP8 kernel (``fp8_matmul_triton``, its plan)
+    against the bf16 product the weight would otherwise be (XLA's ``x @ W`` on W [K, N], and the skinny kernel) and
+    against the FP8 reference (dequantise, then XLA's product: the dispatcher's fallback). Bandwidth: the weight
+    bytes each reads (e4m3 + float32 block scales; bf16) over time; ``x_bf16``: the best bf16 time over this one.
+    Up to 4 rows the kernel's tensor-core path is timed too (``fp8_triton_dots``: where the two paths meet). The
+    kernel is checked against a float64 product of the dequantised weight (``check`` rows)."""
+    from jaxmtp.pallas.matmul import matmul_reference
+    from jaxmtp.pallas.matmul.fp8_triton import FMA_MAX_ROWS, fp8_matmul_triton
+    from jaxmtp.pallas.matmul.fp8_triton import plan as fp8_plan
+    from jaxmtp.pallas.matmul.reference import dequantize_fp8, fp8_matmul_reference
+    from jaxmtp.pallas.matmul.skinny_triton import skinny_matmul_triton
+    from jaxmtp.pallas.matmul.skinny_triton import supports as skinny_supports
+    from jaxmtp.quantize import quantize_fp8_blocks
+
+    sm = ARGS.smoke
+    for name, k, n in ([("w", 256, 384)] if sm else FP8_SHAPES):
+        key = jax.random.key(k + 3 * n)
+        w = jax.random.normal(key, (n, k), jnp.float32) * k**-0.5
+        q, scale = quantize_fp8_blocks(w)
+        w_kn = w.T.astype(jnp.bfloat16)  # the bf16 weight as the engine stores it, [K, N]
+        del w
+        w64 = np.asarray(dequantize_fp8(q, scale), np.float64)
+        fp8_bytes, bf16_bytes = q.size + scale.size * scale.dtype.itemsize, w_kn.size * 2
+        for m in FP8_ROWS:
+            if out_of_time("fp8"):
+                return
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            shape = dict(model="tiny" if sm else "27b", w=name, m=m, k=k, n=n)
+            fp8 = functools.partial(fp8_matmul_triton, **impl_kw())
+            add_check(f"fp8 {name} m{m}", *rel_err(fp8(x, q, scale), np.asarray(x, np.float64) @ w64.T), 1e-2)
+            bf16 = {"bf16_xla": matmul_reference}
+            if skinny_supports(m, k, n):
+                bf16["bf16_skinny"] = lambda a, b: skinny_matmul_triton(a, b, **impl_kw())
+            times = {impl: time_jax(fn, x, w_kn, chain=chain_rows) for impl, fn in bf16.items()}
+            for impl, sec in times.items():
+                record("fp8", shape, impl, sec, bf16_bytes)
+            best = min(times.values())
+            impls = [("fp8_xla_reference", fp8_matmul_reference, {}), ("fp8_triton", fp8, {})]
+            if m <= FMA_MAX_ROWS:  # the tensor-core path at these rows too (the threshold between the paths)
+                impls.append(("fp8_triton_dots", fp8, dict(fma_max_rows=0)))
+            for impl, fn, kw in impls:
+                sec = time_jax(functools.partial(fn, **kw), x, q, scale, chain=chain_rows)
+                extra = dict(plan=fp8_plan(m, k, n, **kw)._asdict()) if impl.startswith("fp8_triton") else {}
+                record("fp8", shape, impl, sec, fp8_bytes, x_bf16=best / sec, **extra)
+
+
 def section_sweep():
     """Tile sizes of each kernel at a few shapes (the defaults come from here)."""
     sm = ARGS.smoke
@@ -830,7 +885,7 @@ SECTIONS = {
     "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk,
     "attention": section_attention, "moe": section_moe, "matmul": section_matmul,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
-    "mixer": section_mixer,
+    "mixer": section_mixer, "fp8": section_fp8,
 }
 
 
@@ -847,6 +902,8 @@ def print_table():
             extra += f" {r['GB/s']:7.0f} GB/s {r.get('%bw', 0):5.1f}%"
         if "TFLOP/s" in r:
             extra += f" {r['TFLOP/s']:6.1f} TF/s {r.get('%mm', 0):5.1f}%"
+        if "x_bf16" in r:
+            extra += f" {r['x_bf16']:5.2f}x bf16"
         print(f"{r['op']:<22} {shape:<34} {r['impl']:<22} {r['us']:10.1f} us{extra}")
     if RESULTS["errors"]:
         print("\n== errors ==")

@@ -1,7 +1,8 @@
 """MoE grouped-matmul kernels (GPU Triton and TPU Mosaic variants, run by the Pallas interpreter) against a float64
 per-token evaluation and the XLA implementation: token counts that are no multiple of the row block, hot experts
 taking several row blocks while most experts get no row, routing weights that do not sum to 1, float32 and bf16,
-both row layouts, split H, the layout's invariants, the fallback, lowering at 35B-A3B shapes and a small MoE model.
+both row layouts, split H, the layout's invariants, the fallback, lowering at 35B-A3B shapes and a small MoE model;
+block-FP8 experts (reference and Triton kernel) against float64 on the dequantised weights.
 
 The Triton interpreter fills output buffers with NaN before a kernel runs, so a pair reading a padding row or an
 invalid (skipped) block fails the finiteness check.
@@ -15,10 +16,11 @@ import numpy as np
 import pytest
 
 from jaxmtp.pallas import XLA, Backend
-from jaxmtp.pallas.moe import moe_experts, moe_reference
+from jaxmtp.pallas.moe import fp8_moe_reference, moe_experts, moe_reference
 from jaxmtp.pallas.moe.grouped_tpu import moe_experts_tpu
-from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton
+from jaxmtp.pallas.moe.grouped_triton import moe_experts_fp8_triton, moe_experts_triton
 from jaxmtp.pallas.moe.layout import choose_layout, make_layout
+from jaxmtp.quantize import quantize_fp8_blocks
 
 from test_moe import numpy_experts as numpy_moe  # the float64 per-token, per-slot oracle
 
@@ -169,3 +171,80 @@ def test_moe_model_with_kernel_matches_xla(rng):
     mask = pre >= 0
     np.testing.assert_allclose(np.asarray(got[0])[mask], np.asarray(want[0])[mask], atol=2e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=2e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-FP8 experts: e4m3 weights [E, out, in], one float32 scale per 128 x 128 block.
+# ---------------------------------------------------------------------------------------------------------------
+def make_fp8_inputs(rng, n, h, i, dtype, e=8, k=2, pool=5):
+    """Random inputs with block-FP8 experts whose 128 x 128 blocks span 10^-2..10^2 in scale (a wrong block index
+    is off by orders of magnitude). Each (token, slot) draws its expert, repeats allowed, among ``pool`` < E of
+    them: pairs share experts, some experts are unused. Returns the kernel's arguments and the float64 oracle."""
+    def fp8_experts(n_out, n_in):
+        w = rng.standard_normal((e, n_out, n_in)) / np.sqrt(n_in)
+        mag = 10.0 ** rng.uniform(-2, 2, (e, -(-n_out // 128), -(-n_in // 128)))
+        q, scale = quantize_fp8_blocks(w * np.repeat(np.repeat(mag, 128, 1)[:, :n_out], 128, 2)[..., :n_in])
+        deq = q.astype(np.float64) * np.repeat(np.repeat(scale, 128, 1)[:, :n_out], 128, 2)[..., :n_in]
+        return {"weight": jnp.asarray(q), "block_scale": jnp.asarray(scale)}, deq.transpose(0, 2, 1)  # [E, in, out]
+
+    gate_up, gu64 = fp8_experts(2 * i, h)
+    down, dn64 = fp8_experts(h, i)
+    experts = rng.choice(rng.choice(e, pool, replace=False), (n, k)).astype(np.int32)
+    experts.flat[-1] = experts.flat[0]  # at least one shared expert, even for two pairs
+    x = jnp.asarray(rng.standard_normal((n, h)), dtype)
+    weights = jnp.asarray(rng.uniform(0.05, 1.0, (n, k)), dtype)
+    args = (x, weights, jnp.asarray(experts), gate_up, down)
+    return args, numpy_moe(x, weights, experts, gu64, dn64)
+
+
+FP8_CASES = [
+    # (n, h, i, dtype): N*K <= E/2 (gathered reference, "pairs" kernel layout, split H), then more rows (ragged
+    # reference, "sorted" layout); H = 208: the last 128-block of H partial (16-wide H tiles); H = 200: no kernel
+    (2, 256, 128, jnp.float32),
+    (2, 208, 256, jnp.bfloat16),
+    (24, 256, 256, jnp.float32),
+    (24, 208, 128, jnp.float32),
+    (24, 256, 128, jnp.bfloat16),
+    (2, 200, 128, jnp.float32),
+    (24, 200, 256, jnp.bfloat16),
+]
+# bf16: x and the routing weights are exact in the oracle; the reference rounds each dequantised weight, the
+# gate/up products, the activation and the output to bf16 (2^-9 relative each), the kernel the activation and output
+FP8_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
+
+
+@pytest.mark.parametrize("n,h,i,dtype", FP8_CASES)
+def test_fp8_experts_match_float64(rng, n, h, i, dtype):
+    args, want = make_fp8_inputs(rng, n, h, i, dtype)
+    ref = fp8_moe_reference(*args)
+    kernel = moe_experts(*args, implementation="triton_interpret")
+    for name, out in (("reference", ref), ("triton_interpret", kernel), ("xla", moe_experts(*args))):
+        assert out.shape == args[0].shape and out.dtype == dtype, name
+        assert np.isfinite(np.asarray(out, np.float64)).all(), name
+        err = rel_err(out, want)
+        assert err < FP8_TOL[dtype], f"{name}: relative error vs float64 {err:.3g}"
+    if h % 16:  # no kernel for this H: the dispatcher ran the reference
+        np.testing.assert_array_equal(np.asarray(kernel), np.asarray(ref))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(layout="sorted", block_rows=16, block_up=16, block_k=32, block_down=16, block_k_down=64),  # 8 tiles a block
+    dict(layout="pairs", split_h=2, block_k=64),
+])
+def test_fp8_triton_tiles(rng, kw):
+    args, want = make_fp8_inputs(rng, 9, 256, 128, jnp.float32)
+    assert rel_err(moe_experts_fp8_triton(*args, interpret=True, **kw), want) < FP8_TOL[jnp.float32]
+    with pytest.raises(ValueError):  # a tile over 128 would straddle scale blocks
+        moe_experts_fp8_triton(*args, interpret=True, block_k=256)
+
+
+@pytest.mark.parametrize("n", [1, 512])
+def test_fp8_kernel_lowers_at_model_shapes(n):
+    """35B-A3B FP8 shapes lower to Triton (e4m3 tile loads, block-scale loads) without a device."""
+    sds = jax.ShapeDtypeStruct
+    scaled = lambda *shape: {"weight": sds(shape, jnp.float8_e4m3fn),  # noqa: E731
+                             "block_scale": sds((shape[0], shape[1] // 128, shape[2] // 128), jnp.float32)}
+    args = (sds((n, 2048), jnp.bfloat16), sds((n, 8), jnp.bfloat16), sds((n, 8), jnp.int32), scaled(256, 1024, 2048),
+            scaled(256, 2048, 512))
+    fn = lambda *a: moe_experts(*a, implementation="triton")  # noqa: E731
+    assert jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") >= 2

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import mm, swiglu_tile, work_dtype
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK
 from jaxmtp.pallas.moe.layout import choose_layout, combine, gather_rows, make_layout
 from jaxmtp.pallas.policy import device_num_sms
 
@@ -61,7 +62,22 @@ def plan(n_blocks: int, h: int, i: int, num_sms: int | None = None):
     return bn_up, bk_up, split, bn_down, _pow2_divisor(i, 128)
 
 
-def _up_kernel(be_ref, nv_ref, x_ref, gu_ref, *out_refs, bn, bk, i_size, h_part, split, dtype, interpret):
+def _dense_tile(w_ref, e, col0, k0, *, bn, bk, dtype, interpret):
+    """Loads rows ``[k0, k0 + bk)``, columns ``[col0, col0 + bn)`` of expert e of ``w [E, K, N]``; returns
+    ``xb [bm, bk] -> xb @ tile`` (float32 [bm, bn])."""
+    w = w_ref[e, pl.ds(k0, bk), pl.ds(col0, bn)]
+    return lambda xb: mm(xb, w, dtype=dtype, interpret=interpret)
+
+
+def _fp8_tile(w_ref, s_ref, e, col0, k0, *, bn, bk, dtype, interpret):
+    """The same for block-FP8 ``w`` e4m3 [E, N, K], ``s`` [E, ceil(N/128), ceil(K/128)]: the e4m3 tile [bn, bk]
+    lies in one scale block (bn, bk divide 128); it is widened exactly to the operand dtype, its product scaled."""
+    w, scale = w_ref[e, pl.ds(col0, bn), pl.ds(k0, bk)], s_ref[e, col0 // FP8_BLOCK, k0 // FP8_BLOCK]
+    return lambda xb: mm(xb, w, tb=True, dtype=dtype, interpret=interpret) * scale
+
+
+def _up_kernel(be_ref, nv_ref, x_ref, *refs, n_w, tile, bn, bk, i_size, h_part, split):
+    w_refs, out_refs = refs[:n_w], refs[n_w:]
     c, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(rb < nv_ref[0])
@@ -73,10 +89,8 @@ def _up_kernel(be_ref, nv_ref, x_ref, gu_ref, *out_refs, bn, bk, i_size, h_part,
             g, u = carry
             k0 = pl.multiple_of(s * h_part + j * bk, bk)
             xb = x_ref[:, pl.ds(k0, bk)]
-            gb = gu_ref[e, pl.ds(k0, bk), pl.ds(c * bn, bn)]
-            ub = gu_ref[e, pl.ds(k0, bk), pl.ds(i_size + c * bn, bn)]
-            return (g + mm(xb, gb, dtype=dtype, interpret=interpret),
-                    u + mm(xb, ub, dtype=dtype, interpret=interpret))
+            gate, up = tile(*w_refs, e, c * bn, k0), tile(*w_refs, e, i_size + c * bn, k0)
+            return g + gate(xb), u + up(xb)
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         g, u = lax.fori_loop(0, h_part // bk, body, (zero, zero))
@@ -89,7 +103,8 @@ def _up_kernel(be_ref, nv_ref, x_ref, gu_ref, *out_refs, bn, bk, i_size, h_part,
             u_ref[...] = u
 
 
-def _down_kernel(be_ref, nv_ref, a_ref, d_ref, y_ref, *, bn, bk, dtype, interpret):
+def _down_kernel(be_ref, nv_ref, a_ref, *refs, tile, bn, bk):
+    *w_refs, y_ref = refs
     c, rb = pl.program_id(0), pl.program_id(1)
 
     @pl.when(rb < nv_ref[0])
@@ -99,8 +114,7 @@ def _down_kernel(be_ref, nv_ref, a_ref, d_ref, y_ref, *, bn, bk, dtype, interpre
         def body(j, acc):
             k0 = pl.multiple_of(j * bk, bk)
             ab = a_ref[:, pl.ds(k0, bk)]
-            db = d_ref[e, pl.ds(k0, bk), pl.ds(c * bn, bn)]
-            return acc + mm(ab, db, dtype=dtype, interpret=interpret)
+            return acc + tile(*w_refs, e, c * bn, k0)(ab)
 
         y_ref[...] = lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros(y_ref.shape, jnp.float32))
 
@@ -111,13 +125,22 @@ def _down_kernel(be_ref, nv_ref, a_ref, d_ref, y_ref, *, bn, bk, dtype, interpre
 def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block_rows=None, block_up=None,
                        block_k=None, split_h=None, block_down=None, block_k_down=None, num_warps=None,
                        num_stages=None, num_warps_down=None, num_stages_down=None, interpret=False):
-    """Same contract as :func:`moe_reference`; H and I must be multiples of 16. The keywords override the plan:
-    ``layout`` ("pairs" / "sorted"), ``block_rows`` (bm), the up kernel's column tile, H slice and H split, the
-    down kernel's column tile and I slice (powers of two >= 16 dividing the dims), and the Triton launch settings
-    (``num_warps`` / ``num_stages`` for ``up``; the ``_down`` pair for ``down``, default the same)."""
+    """Same contract as :func:`moe_reference`, for bf16 / float32 experts or block-FP8 ones (dicts, see
+    :func:`moe_experts_fp8_triton`); H and I must be multiples of 16. The keywords override the plan: ``layout``
+    ("pairs" / "sorted"), ``block_rows`` (bm), the up kernel's column tile, H slice and H split, the down kernel's
+    column tile and I slice (powers of two >= 16 dividing the dims; at most 128 for FP8), and the Triton launch
+    settings (``num_warps`` / ``num_stages`` for ``up``; the ``_down`` pair for ``down``, default the same)."""
     n, h = x.shape
     k = experts.shape[1]
-    num_experts, _, two_i = gate_up.shape
+    fp8 = isinstance(gate_up, dict)
+    if fp8:
+        up_w, down_w = (gate_up["weight"], gate_up["block_scale"]), (down["weight"], down["block_scale"])
+        num_experts, two_i, _ = gate_up["weight"].shape
+        dtype = work_dtype(x.dtype)
+    else:
+        up_w, down_w = (gate_up,), (down,)
+        num_experts, _, two_i = gate_up.shape
+        dtype = work_dtype(jnp.promote_types(x.dtype, gate_up.dtype))
     i_size = two_i // 2
     if h % 16 or i_size % 16:
         raise ValueError(f"hidden {h} and expert width {i_size} must be multiples of 16")
@@ -125,9 +148,11 @@ def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block
     bn1, bk1, split, bn2, bk2 = plan(nb, h, i_size)
     bn1, bk1, split = block_up or bn1, block_k or bk1, split_h or split
     bn2, bk2 = block_down or bn2, block_k_down or bk2
-    if i_size % bn1 or h % (bk1 * split) or h % bn2 or i_size % bk2:
-        raise ValueError(f"tiles (up {bn1}, k {bk1} x {split}, down {bn2}, k {bk2}) do not divide H={h}, I={i_size}")
-    dtype = work_dtype(jnp.promote_types(x.dtype, gate_up.dtype))
+    if i_size % bn1 or h % (bk1 * split) or h % bn2 or i_size % bk2 or fp8 and any(
+            FP8_BLOCK % t for t in (bn1, bk1, bn2, bk2)):
+        raise ValueError(f"tiles (up {bn1}, k {bk1} x {split}, down {bn2}, k {bk2}) do not divide H={h}, I={i_size}"
+                         + (f" and {FP8_BLOCK}" if fp8 else ""))
+    tile = functools.partial(_fp8_tile if fp8 else _dense_tile, dtype=dtype, interpret=bool(interpret))
     lay = make_layout(experts, num_experts, mode, bm, nb)
     rows = gather_rows(x, lay, dtype)  # [nb * bm, H]
     params = pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3)
@@ -141,17 +166,17 @@ def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block
         out_shape = [jax.ShapeDtypeStruct((split, r, i_size), jnp.float32)] * 2
         out_specs = [pl.BlockSpec((None, bm, bn1), lambda c, rb, s: (s, rb, c))] * 2
     outs = pl.pallas_call(
-        functools.partial(_up_kernel, bn=bn1, bk=bk1, i_size=i_size, h_part=h // split, split=split, dtype=dtype,
-                          interpret=bool(interpret)),
+        functools.partial(_up_kernel, n_w=len(up_w), tile=functools.partial(tile, bn=bn1, bk=bk1), bn=bn1, bk=bk1,
+                          i_size=i_size, h_part=h // split, split=split),
         out_shape=out_shape,
         grid=(i_size // bn1, nb, split),
         in_specs=[whole(lay.block_expert), whole(lay.n_valid), pl.BlockSpec((bm, h), lambda c, rb, s: (rb, 0)),
-                  whole(gate_up)],
+                  *map(whole, up_w)],
         out_specs=out_specs,
         compiler_params=params,
         interpret=interpret,
         name="moe_up",
-    )(lay.block_expert, lay.n_valid, rows, gate_up)
+    )(lay.block_expert, lay.n_valid, rows, *up_w)
     if split == 1:
         act = outs[0]
     else:
@@ -159,15 +184,25 @@ def moe_experts_triton(x, weights, experts, gate_up, down, *, layout=None, block
         act = (jax.nn.silu(g) * u).astype(dtype)
 
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn2, bk=bk2, dtype=dtype, interpret=bool(interpret)),
+        functools.partial(_down_kernel, tile=functools.partial(tile, bn=bn2, bk=bk2), bn=bn2, bk=bk2),
         out_shape=jax.ShapeDtypeStruct((r, h), jnp.float32),
         grid=(h // bn2, nb),
         in_specs=[whole(lay.block_expert), whole(lay.n_valid), pl.BlockSpec((bm, i_size), lambda c, rb: (rb, 0)),
-                  whole(down)],
+                  *map(whole, down_w)],
         out_specs=pl.BlockSpec((bm, bn2), lambda c, rb: (rb, c)),
         compiler_params=pltr.CompilerParams(num_warps=num_warps_down or num_warps or 4,
                                             num_stages=num_stages_down or num_stages or 3),
         interpret=interpret,
         name="moe_down",
-    )(lay.block_expert, lay.n_valid, act, down)
+    )(lay.block_expert, lay.n_valid, act, *down_w)
     return combine(y, weights, lay, x.dtype)
+
+
+def moe_experts_fp8_triton(x, weights, experts, gate_up, down, *, interpret=False, **tuning):
+    """Routed experts with block-FP8 weights (:func:`jaxmtp.pallas.moe.reference.fp8_moe_reference`: ``gate_up``
+    {"weight": e4m3 [E, 2I, H], "block_scale": [E, ceil(2I/128), ceil(H/128)]}, ``down`` {e4m3 [E, H, I], scales
+    [E, ceil(H/128), ceil(I/128)]}); H and I multiples of 16. ``tuning``: the keywords of :func:`moe_experts_triton`
+    (tiles at most 128)."""
+    if not (isinstance(gate_up, dict) and isinstance(down, dict)):
+        raise TypeError("block-FP8 experts are dicts {'weight': e4m3, 'block_scale': float32}")
+    return moe_experts_triton(x, weights, experts, gate_up, down, interpret=interpret, **tuning)

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Tile sweep of the block-FP8 product kernel (:mod:`jaxmtp.pallas.matmul.fp8_triton`) at Qwen3.5-27B shapes: the
+measurements behind its default plan.
+
+    python scripts/sweep_fp8_tiles.py --out fp8_tiles.json [--max-seconds 400]
+
+For each (rows, K, N) of ``--cases`` and each tile choice of the path the rows take (multiply-add for few rows,
+tensor-core dots otherwise; ``--paths both`` tries both), the time of one product: ``--calls`` chained calls in one
+jitted loop whose weights rotate over copies of at least 256 MiB (so they stream from HBM, not L2), wall clock over
+the loop, the median of ``--reps``. Reported against the measured copy bandwidth (read + write of float32) and the
+default plan's time. JSON after every case; stops starting cases after ``--max-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmtp.benchmarking import hbm_bandwidth, run_metadata, write_json  # noqa: E402
+from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton, plan  # noqa: E402
+from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
+
+# (name, K, N) at 27B: fused gate|up, down, GDN in_proj_qkv|z, out_proj / o_proj
+SHAPES = {"gate_up": (5120, 34816), "down": (17408, 5120), "in_proj": (5120, 16384), "out": (6144, 5120)}
+
+
+def fma_tiles():
+    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (4, 8), (2,)):
+        yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, splits=1)
+
+
+def dot_tiles(m: int):
+    bm = max(16, min(64, 1 << (m - 1).bit_length()))
+    for bn, bk, splits, stages in itertools.product((32, 64, 128), (128, 256, 512), (2, 4, 8), (3,)):
+        yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
+
+
+def time_product(x, ws, tiles: dict, calls: int, reps: int) -> float:
+    """Seconds per product of ``calls`` chained products over the rotating weights ``ws``."""
+    def loop(x, ws):
+        y = x
+        for i in range(calls):
+            out = fp8_matmul_triton(y, *ws[i % len(ws)], **tiles)
+            y = x + jax.lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
+        return out
+
+    f = jax.jit(loop)
+    jax.block_until_ready(f(x, ws))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, ws))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="1:gate_up,1:down,1:in_proj,1:out,2:gate_up,2:down,4:gate_up,4:down,8:gate_up,"
+                                      "32:gate_up,32:down")
+    ap.add_argument("--paths", default="both", choices=["rows", "both"],
+                    help="rows: the path the row count takes by default; both: multiply-add and dots for 2-4 rows")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=400.0)
+    ap.add_argument("--out", default="fp8_tiles.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        SHAPES.update({name: (256, 384) for name in SHAPES})
+    t_start = time.perf_counter()
+    result = {**run_metadata(), "copy_bytes_per_s": hbm_bandwidth(), "cases": []}
+    bw = result["copy_bytes_per_s"]
+    key = jax.random.key(0)
+    for case in args.cases.split(","):
+        m, name = case.split(":")
+        m, (k, n) = int(m), SHAPES[name]
+        w = (64 * jax.random.normal(key, (n, k), jnp.float32)).clip(-448, 448).astype(FP8_DTYPE)
+        s = jax.random.uniform(key, (-(-n // 128), -(-k // 128)), jnp.float32, 1e-4, 1e-3)
+        nbytes = w.size + s.size * 4
+        ws = [(w, s)] + [(jnp.copy(w), jnp.copy(s)) for _ in range(max(0, -(-(256 << 20) // nbytes) - 1))]
+        x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+        default = plan(m, k, n)
+        entry = {"rows": m, "K": k, "N": n, "name": name, "weight_bytes": nbytes, "default_plan": default._asdict(),
+                 "tiles": []}
+        tiles = list(fma_tiles()) if m <= 4 else []
+        if m > 4 or (args.paths == "both" and m > 1):
+            tiles += list(dot_tiles(m))
+        if args.smoke:
+            tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]
+            ws = ws[:2]
+        entry["default_s"] = time_product(x, ws, {"interpret": True} if args.smoke else {}, args.calls, args.reps)
+        for t in tiles:
+            if time.perf_counter() - t_start > args.max_seconds:
+                entry["stopped_early"] = True
+                break
+            try:
+                sec = time_product(x, ws, t, args.calls, args.reps)
+            except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a result
+                entry["tiles"].append({**t, "error": str(e).splitlines()[0][:200]})
+                continue
+            entry["tiles"].append({**t, "s": sec, "copy_fraction": nbytes / sec / bw})
+        ok = [t for t in entry["tiles"] if "s" in t]
+        if ok:
+            best = min(ok, key=lambda t: t["s"])
+            entry["best"] = best
+            print(f"{m:3d} rows {name:8s}: default {entry['default_s'] * 1e6:7.1f} us "
+                  f"({nbytes / entry['default_s'] / bw:.0%}), best {best['s'] * 1e6:7.1f} us "
+                  f"({best['copy_fraction']:.0%}) {({k: v for k, v in best.items() if k not in ('s', 'copy_fraction')})}",
+                  flush=True)
+        result["cases"].append(entry)
+        write_json(args.out, result)
+        del ws
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
