@@ -32,6 +32,7 @@ import numpy as np
 from jaxmtp import shapes
 from jaxmtp.config import Qwen35Config
 from jaxmtp.engine import Engine
+from jaxmtp.fp8 import STANDARD, check_quantization
 from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params, param_shapes
 from jaxmtp.pallas import override_backend, resolve_backend
@@ -64,14 +65,17 @@ def tiny_config(cfg: Qwen35Config | str) -> Qwen35Config:
 
 def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "serving", draft_vocab: int | None = None,
                  draft_head_bits: int | None = None, quantize_mtp_layer: bool | None = None, seed: int = 0,
-                 tensor_parallel_size: int = 1) -> Model:
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> Model:
     """A :class:`jaxmtp.loaded_model.Model` of random weights in ``layout``: "serving" (what ``jaxmtp.load`` gives:
     fused projections, the quantised draft head and, where the backend wants it, the int8 MTP layer), "fused" (fused
     projections, exact drafts) or "native" (the checkpoint layout). ``backend``: a name or a
     :class:`jaxmtp.pallas.Backend`. ``draft_vocab``: a hot draft vocabulary of that many ids (the first ones; which
     ids does not matter for step costs). ``quantize_mtp_layer``: as :func:`jaxmtp.param_layout.serving_layout`.
     ``tensor_parallel_size``: split over that many devices (:func:`jaxmtp.load`; serving layout only), each rank's
-    weights drawn on its device (:func:`jaxmtp.parallel.random_params`: not the unsharded model's values)."""
+    weights drawn on its device (:func:`jaxmtp.parallel.random_params`: not the unsharded model's values).
+    ``quantization="fp8"``: the linears the official FP8 checkpoints quantise drawn as block FP8
+    (:func:`jaxmtp.model.init_params`)."""
+    check_quantization(quantization)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
     backend = resolve_backend(backend, cfg, dtype)
@@ -84,7 +88,9 @@ def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "servin
         params = random_params(cfg, par, dtype, backend, seed=seed, draft_head_bits=draft_head_bits,
                                quantize_mtp_layer=quantize_mtp_layer)
         return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=par.backend(backend), layout=par)
-    params = init_params(cfg, jax.random.PRNGKey(seed), dtype)
+    if quantization and tensor_parallel_size != 1:
+        raise ValueError("FP8 with tensor parallelism is not supported yet")
+    params = init_params(cfg, jax.random.PRNGKey(seed), dtype, fp8=STANDARD if quantization else None)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)
         params = serving_layout(params, draft_head=layout == "serving", draft_vocab=ids,
@@ -119,7 +125,7 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
     """Make every slot of ``eng`` an active request ``context`` tokens deep (random last token and drafts, KV as
     allocated), so that the step can be timed without compiling prefill shapes: step cost does not depend on the
     cache values."""
-    s, k = eng.num_slots, eng.k
+    s = eng.num_slots
     vocab = eng.cfg.vocab_size
     rng = np.random.default_rng(seed)
     ids = jnp.arange(s, dtype=jnp.int32)
@@ -350,13 +356,14 @@ def mtp_bytes(params) -> int | None:
 
 
 def step_bytes(cfg: Qwen35Config, batch: int, k: int, context: int, dtype_bytes: int = 2,
-               head_bytes: int | None = None, mtp_stored: int | None = None) -> dict:
+               head_bytes: int | None = None, mtp_stored: int | None = None, fp8=None) -> dict:
     """Bytes one decode step of ``batch`` slots ``context`` tokens deep must move at least: ``{"weights", "kv",
     "gdn_state", "total"}``: the weights it touches, the KV it reads, the GDN state it reads and writes. With k > 0
     the k drafts each read the draft head (``head_bytes``, :func:`draft_head_bytes`; None: the LM head) and the MTP
-    layer (``mtp_stored``, :func:`mtp_bytes`; None: bfloat16), besides the verify's own reads."""
+    layer (``mtp_stored``, :func:`mtp_bytes`; None: bfloat16), besides the verify's own reads. ``fp8`` (a
+    :class:`jaxmtp.fp8.Fp8Scheme`): the linears it converts count their e4m3 bytes and block scales."""
     leaves = [(jax.tree_util.keystr(p), int(np.prod(s.shape)) * s.dtype.itemsize)
-              for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16))]
+              for p, s in jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16, fp8=fp8))]
 
     def touched(mtp: bool, tokens: int) -> float:
         """Bytes of the main model's (or the MTP head's) weights that ``tokens`` tokens read."""

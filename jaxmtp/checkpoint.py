@@ -41,10 +41,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp import fp8
 from jaxmtp.config import Qwen35Config
+from jaxmtp.fp8 import is_fp8
 from jaxmtp.model import param_shapes
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK
 from jaxmtp.progress import Progress
-from jaxmtp.safetensors_io import SafetensorsFile
+from jaxmtp.safetensors_io import DTYPES, SafetensorsFile
+
+FP8_NUMPY = DTYPES["F8_E4M3"]
 
 NATIVE_MARKER = "jaxmtp.json"
 FORMAT_VERSION = 1
@@ -159,7 +164,9 @@ class _Assembler:
         self.arrays: dict[tuple, np.ndarray] = {}
         self.parts: dict[tuple, set] = {}
 
-    def _leaf(self, path: tuple, hf_name: str):
+    def _leaf(self, path: tuple, hf_name: str, fp8: bool = False):
+        """The native array at ``path`` (allocated on first use), or with ``fp8`` its block-FP8 dict (the weight
+        ``[..., out, in]``, :mod:`jaxmtp.fp8`)."""
         node: Any = self.shapes
         try:
             for p in path:
@@ -169,8 +176,17 @@ class _Assembler:
         if isinstance(node, (dict, list)):
             raise CheckpointError(f"unexpected tensor {hf_name!r}")
         if path not in self.arrays:
-            self.arrays[path] = np.zeros(node.shape, np.dtype(node.dtype))
+            if fp8:
+                *lead, k, n = node.shape
+                nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+                self.arrays[path] = {"weight": np.zeros((*lead, n, k), FP8_NUMPY),
+                                     "block_scale": np.zeros((*lead, nb, kb), np.float32)}
+            else:
+                self.arrays[path] = np.zeros(node.shape, np.dtype(node.dtype))
             self.parts[path] = set()
+        if is_fp8(self.arrays[path]) != fp8:
+            raise CheckpointError(f"tensor {hf_name!r} is {'FP8' if fp8 else 'floating'} but other tensors of "
+                                  f"{'.'.join(map(str, path))} are {'floating' if fp8 else 'FP8'}: mixed experts")
         return self.arrays[path]
 
     def _mark(self, path: tuple, part, hf_name: str):
@@ -183,7 +199,11 @@ class _Assembler:
         if tuple(got) != tuple(want):
             raise CheckpointError(f"tensor {hf_name!r} has shape {tuple(got)}, expected {tuple(want)} from the config")
 
-    def put(self, hf_name: str, path: tuple, kind, x: np.ndarray):
+    def put(self, hf_name: str, path: tuple, kind, x: np.ndarray, scale: np.ndarray | None = None):
+        """Place HF tensor ``x``; ``scale``: its ``weight_scale_inv`` when ``x`` is FP8 (:meth:`put_fp8`)."""
+        if scale is not None:
+            self.put_fp8(hf_name, path, kind, x, scale)
+            return
         cfg = self.cfg
         if kind == "qkvz":
             self._put_qkvz(hf_name, path, x)
@@ -221,6 +241,62 @@ class _Assembler:
         else:  # pragma: no cover - rules only produce the kinds above
             raise AssertionError(kind)
         self._mark(path, "all", hf_name)
+
+    def put_fp8(self, hf_name: str, path: tuple, kind, x: np.ndarray, scale: np.ndarray):
+        """Place an FP8 linear ``x [N, K]`` (e4m3) and its block scales ``[ceil(N/128), ceil(K/128)]``, kept in the
+        checkpoint's ``[out, in]`` orientation: whole projections, per-expert projections (their gate|up boundary
+        must fall on a block) and Qwen3-Next's grouped ``in_proj_qkvz`` (regrouped by whole blocks)."""
+        cfg = self.cfg
+        want_scale = tuple(-(-d // FP8_BLOCK) for d in x.shape)
+        if x.ndim != 2 or tuple(scale.shape) != want_scale:
+            raise CheckpointError(f"tensor {hf_name}_scale_inv has shape {tuple(scale.shape)}, expected "
+                                  f"{want_scale} for the FP8 weight of shape {tuple(x.shape)} in 128 x 128 blocks")
+        scale = np.asarray(scale, np.float32)
+        if kind == "qkvz":
+            hk, dk, dv, r = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_v_per_k
+            if dk % FP8_BLOCK or (r * dv) % FP8_BLOCK:
+                raise CheckpointError(f"FP8 tensor {hf_name!r}: its head groups ({dk}, {r * dv} rows) do not fall "
+                                      f"on {FP8_BLOCK}-row blocks, so it cannot be split into in_proj_qkv / in_proj_z")
+            self._check(hf_name, x.shape, (hk * (2 * dk + 2 * r * dv), cfg.hidden_size))
+            group = 2 * dk + 2 * r * dv
+            starts = np.arange(hk)[:, None] * group
+            qkv = np.concatenate([(starts + np.arange(dk)).ravel(), (starts + dk + np.arange(dk)).ravel(),
+                                  (starts + 2 * dk + np.arange(r * dv)).ravel()])
+            z = (starts + 2 * dk + r * dv + np.arange(r * dv)).ravel()
+            for name, rows in (("in_proj_qkv", qkv), ("in_proj_z", z)):
+                dst = self._leaf(path + (name,), hf_name, fp8=True)
+                dst["weight"][...] = x[rows]
+                dst["block_scale"][...] = scale[rows[::FP8_BLOCK] // FP8_BLOCK]
+                self._mark(path + (name,), "all", hf_name)
+            return
+        dst = self._leaf(path, hf_name, fp8=True)
+        if kind == "linear":
+            self._check(hf_name, x.shape, dst["weight"].shape)
+            dst["weight"][...] = x
+            dst["block_scale"][...] = scale
+            self._mark(path, "all", hf_name)
+        elif isinstance(kind, tuple) and kind[0] == "expert":
+            _, e, which = kind
+            i = cfg.moe_intermediate_size
+            if e >= dst["weight"].shape[0]:
+                raise CheckpointError(f"tensor {hf_name!r}: expert {e} but the config has {dst['weight'].shape[0]} "
+                                      "experts")
+            if which == "down_proj":
+                self._check(hf_name, x.shape, dst["weight"].shape[1:])
+                dst["weight"][e], dst["block_scale"][e] = x, scale
+            else:
+                if i % FP8_BLOCK:
+                    raise CheckpointError(f"FP8 tensor {hf_name!r}: moe_intermediate_size {i} is not a multiple of "
+                                          f"{FP8_BLOCK}, so gate and up cannot share one block-FP8 weight")
+                self._check(hf_name, x.shape, (i, dst["weight"].shape[2]))
+                half = 0 if which == "gate_proj" else 1
+                dst["weight"][e, half * i : (half + 1) * i] = x
+                nb = i // FP8_BLOCK
+                dst["block_scale"][e, half * nb : (half + 1) * nb] = scale
+            self._mark(path, (e, which), hf_name)
+        else:
+            raise CheckpointError(f"tensor {hf_name!r} is FP8, which jaxmtp supports for linear projections (not "
+                                  "for this tensor's kind)")
 
     def _put_qkvz(self, hf_name, path, x):
         cfg = self.cfg
@@ -294,6 +370,54 @@ def _hf_name(path: tuple, cfg: Qwen35Config) -> str:
     return name + ".weight"
 
 
+# Tensor name endings of quantised formats other than block FP8 (AWQ / GPTQ, compressed-tensors, per-tensor FP8).
+_OTHER_QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".input_scale",
+                         ".weight_packed", ".weight_zero_point", ".weight_shape")
+_SCALE_SUFFIX = "_scale_inv"
+
+
+def _fp8_scales(src: str, tensors: dict[str, str], used: dict[str, str]) -> dict[str, str]:
+    """``{FP8 weight name: its scale's name}`` after checking the checkpoint's quantisation against its
+    ``quantization_config`` (:func:`jaxmtp.fp8.read_scheme`): every F8 weight has a scale, every scale an F8
+    weight, no FP8 tensor in a module ``modules_to_not_convert`` lists, tensors of other quantised formats refused.
+    Each mismatch is a :class:`CheckpointError` naming the tensor."""
+    scheme = fp8.read_scheme_file(src)
+    files: dict[str, SafetensorsFile] = {}
+    code = {n: files.setdefault(tensors[n], SafetensorsFile(tensors[n])).header[n]["dtype"] for n in used}
+    out = {}
+    for name, canon in used.items():
+        if canon.endswith(_OTHER_QUANT_SUFFIXES):
+            raise CheckpointError(f"tensor {name!r} belongs to a quantised format jaxmtp does not load (AWQ / GPTQ, "
+                                  f"compressed-tensors or per-tensor FP8); jaxmtp loads {fp8.SUPPORTED}")
+        if canon.endswith(_SCALE_SUFFIX):
+            weight = name[: -len(_SCALE_SUFFIX)]
+            if weight not in code or code[weight] != "F8_E4M3":
+                raise CheckpointError(f"tensor {name!r} is an FP8 block scale, but {weight!r} is "
+                                      f"{'absent' if weight not in code else code[weight]}, not F8_E4M3")
+            if code[name] not in ("F32", "BF16", "F16"):
+                raise CheckpointError(f"FP8 block scale {name!r} has dtype {code[name]}; expected F32 or BF16")
+            continue
+        if code[name].startswith("F8"):
+            if code[name] != "F8_E4M3":
+                raise CheckpointError(f"tensor {name!r} has dtype {code[name]}; jaxmtp loads {fp8.SUPPORTED}")
+            if scheme is None:
+                raise CheckpointError(f"tensor {name!r} is F8_E4M3 but config.json has no quantization_config "
+                                      "declaring the FP8 format")
+            if name + _SCALE_SUFFIX not in code:
+                raise CheckpointError(f"FP8 tensor {name!r} has no block scale {name + _SCALE_SUFFIX!r}")
+            if not canon.endswith(".weight") or not scheme.converts(canon[: -len(".weight")]):
+                raise CheckpointError(f"tensor {name!r} is stored in FP8, but the config's quantization_config "
+                                      "modules_to_not_convert lists its module (or it is not a linear weight)")
+            out[name] = name + _SCALE_SUFFIX
+    for f in files.values():
+        f.close()
+    if scheme is not None and not out:
+        raise CheckpointError(f"{src}/config.json declares an FP8 quantization_config but no tensor is F8_E4M3 "
+                              "(a floating checkpoint: remove quantization_config, or load it with "
+                              "quantization='fp8' to quantise it)")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # HF -> params
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,6 +425,7 @@ def load_hf_params(src: str, cfg: Qwen35Config | None = None, dtype=jnp.bfloat16
     """Read an HF checkpoint directory into a params pytree of host numpy arrays.
 
     Returns ``(params, cfg)``; ``cfg.mtp_num_hidden_layers`` is set to 0 when the checkpoint holds no ``mtp.*``.
+    A block-FP8 checkpoint (:mod:`jaxmtp.fp8`) keeps its FP8 linears as FP8 dicts; ``dtype`` applies to the rest.
     """
     cfg = cfg or Qwen35Config.from_pretrained(src)
     tensors = list_tensors(src)
@@ -317,6 +442,8 @@ def load_hf_params(src: str, cfg: Qwen35Config | None = None, dtype=jnp.bfloat16
             f"checkpoint has mtp.layers.{max(mtp_layers)} but the config declares "
             f"{cfg.mtp_num_hidden_layers} MTP layer(s)"
         )
+    scales = _fp8_scales(src, tensors, {n: c for n, c in used.items()})
+    used = {n: c for n, c in used.items() if not c.endswith(_SCALE_SUFFIX)}
     asm = _Assembler(cfg, dtype)
     files: dict[str, SafetensorsFile] = {}
     order = sorted(used, key=lambda n: (tensors[n], n))
@@ -328,7 +455,11 @@ def load_hf_params(src: str, cfg: Qwen35Config | None = None, dtype=jnp.bfloat16
                 continue
             path, kind = native_target(canon)
             f = files.setdefault(tensors[hf], SafetensorsFile(tensors[hf]))
-            asm.put(hf, path, kind, f.get(hf))
+            scale = None
+            if hf in scales:
+                sf = files.setdefault(tensors[scales[hf]], SafetensorsFile(tensors[scales[hf]]))
+                scale = sf.get(scales[hf])
+            asm.put(hf, path, kind, f.get(hf), scale)
             bar.update(1, note=canon)
     for f in files.values():
         f.close()
@@ -453,6 +584,9 @@ def convert(src: str, dst: str, dtype="bfloat16", progress: bool = True) -> dict
         raise CheckpointError(f"the source {src!r} is not a directory")
     _check_destination(dst)
     Qwen35Config.from_pretrained(src)  # a config error before anything else is read
+    if fp8.read_scheme_file(src) is not None:
+        raise CheckpointError(f"{src} is a block-FP8 checkpoint; the native format holds floating weights only: load "
+                              "the FP8 checkpoint directly (jaxmtp.load / --model), which reads it as fast")
     check_side_files(src)
     params, cfg = load_hf_params(src, dtype=jnp.dtype(dtype), progress=progress)
     t_read = time.perf_counter() - t0

@@ -245,6 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stop", action="append", default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: float32 on CPU, bfloat16 on accelerators (as jaxmtp.load and the server)")
+    ap.add_argument("-q", "--quantization", default=None, choices=["fp8"],
+                    help="quantise a floating checkpoint's projections to block FP8 on load (FP8 checkpoints load "
+                         "as FP8 without it)")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the model over N devices (docs/engine.md, Parallelism)")
     ap.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="M",
@@ -258,7 +261,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     try:
         enable_from_args(args)  # before anything compiles
-        model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab,
+        model = load(args.model, dtype=args.dtype, draft_vocab=args.draft_vocab, quantization=args.quantization,
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
         _, engine, ids, rids, _ = _prepare(
             model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -26,7 +26,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxmtp.config import FULL, Qwen35Config
+from jaxmtp.config import FULL, ConfigError, Qwen35Config
+from jaxmtp.fp8 import has_fp8
 from jaxmtp.param_layout import native_layout
 from jaxmtp.safetensors_io import save_file
 
@@ -189,6 +190,9 @@ def hf_tensors(params, cfg: Qwen35Config, *, fused_experts: bool | None = None) 
     ``fused_experts`` defaults to the layout each family's released checkpoints use: fused 3-D for Qwen3.5-MoE,
     per expert for Qwen3-Next.
     """
+    if has_fp8(params):
+        raise ConfigError("these params hold block-FP8 weights; export writes floating checkpoints: load the "
+                          "floating checkpoint (without --quantization) to export it")
     params = native_layout(params, cfg)  # the serving layout of jaxmtp.load exports as well
     if fused_experts is None:
         fused_experts = cfg.family == "qwen3_5_moe"

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp import checkpoint
+from jaxmtp import checkpoint, fp8
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
 from jaxmtp.model import forward, init_carry
@@ -20,6 +20,7 @@ from jaxmtp.mtp import draft_vocab_logits, init_mtp_carry, mtp_forward
 from jaxmtp.pallas.matmul.reference import INT4_BLOCK
 from jaxmtp.param_layout import check_draft_head_options, serving_layout
 from jaxmtp.pallas import Backend, resolve_backend
+from jaxmtp.pallas.backend import platform
 
 
 @dataclasses.dataclass
@@ -202,7 +203,8 @@ def resolve_dtype(dtype="auto"):
 def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Backend" = "auto",
          progress: bool = True, int8_draft_head: bool = True, draft_vocab=None,
          draft_head_bits: int | None = None, memory_fraction: float | None = None, tensor_parallel_size: int = 1,
-         data_parallel_size: int = 1, mesh=None, tensor_parallel_reduce: str = "psum") -> Model:
+         data_parallel_size: int = 1, mesh=None, tensor_parallel_reduce: str = "psum",
+         quantization: str | None = None) -> Model:
     """Load an HF checkpoint directory (converted on the fly) or a native jaxmtp one.
 
     ``path=None`` loads the embedded default model. ``dtype`` is the weight/activation dtype (``"bfloat16"``,
@@ -231,6 +233,13 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     equal share of an engine's slots. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a fixed order, so that
     every TP degree gives the same bits as ``tensor_parallel_size=1`` in that mode (slower; for tests and
     debugging); the default ``"psum"`` is the fast all-reduce.
+
+    A block-FP8 checkpoint (the official Qwen3.5 FP8 format, :mod:`jaxmtp.fp8`) loads as it is stored: its FP8
+    projections stay FP8 on the device (half the bytes of bf16; the GPU kernels read them directly). ``quantization=
+    "fp8"`` (vLLM's ``--quantization fp8``) quantises a floating checkpoint's projections to the same layout on load
+    (the modules the official checkpoints quantise). Other formats are refused with the list of supported ones. On
+    a TPU (no FP8 kernel) the FP8 weights are dequantised to ``dtype`` at load. FP8 with tensor or data parallelism
+    is refused (not implemented yet).
     """
     from jaxmtp.compile_cache import enable_compile_cache
     from jaxmtp.engine.memory import set_memory_fraction
@@ -248,8 +257,13 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     check_draft_head_options(int8_draft_head, draft_head_bits)
+    fp8.check_quantization(quantization)
     sharded = (mesh is not None or tensor_parallel_size != 1 or data_parallel_size != 1
                or tensor_parallel_reduce != "psum")
+    scheme = None if checkpoint.is_native(path) else fp8.read_scheme_file(path)  # other formats refused here
+    if sharded and (quantization or scheme is not None):
+        raise ConfigError("FP8 weights with tensor or data parallelism are not supported yet: load the FP8 model on "
+                          "one device, or a floating checkpoint without --quantization")
     if sharded:  # an impossible layout is refused before any weight is read
         from jaxmtp.parallel import make_layout
 
@@ -271,6 +285,10 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         params, cfg = checkpoint.load_hf_params(path, dtype=dtype, progress=progress)
     if ids is not None and not cfg.has_mtp:  # the config can name MTP layers that the checkpoint lacks
         raise ConfigError("draft_vocab was given but the checkpoint has no MTP head to draft with")
+    if quantization == "fp8":
+        params = fp8.quantize_params(_to_host(params))
+    if fp8.has_fp8(params) and platform() == "tpu":  # no FP8 kernel on TPU: a memory saving only would be lost
+        params = fp8.dequantize_params(params, dtype)
     backend = resolve_backend(backend, cfg, dtype)
     # The serving layout is built on the host (numpy), then placed once: the device never holds the weights twice.
     params, backend, load_info = serving_params(_to_host(params), cfg, backend, layout if sharded else None,

@@ -27,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.config import FULL, Qwen35Config
+from jaxmtp.fp8 import linear_module_name
 from jaxmtp.layers.attention import KVCache, gated_attention, take_rows
 from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, commit_steps, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
 from jaxmtp.layers.projections import output_weight
 from jaxmtp.pallas import ops
 from jaxmtp.pallas.backend import XLA, Backend
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
 
 Params = dict[str, Any]
 Carry = tuple  # one KVCache or GDNCarry per layer
@@ -92,8 +94,10 @@ def _layer_shapes(cfg: Qwen35Config, layer_type: str, moe: bool) -> dict:
     return {"input_layernorm": (h,), "post_attention_layernorm": (h,), **mixer, "mlp": _mlp_shapes(cfg, moe)}
 
 
-def param_shapes(cfg: Qwen35Config, dtype=jnp.bfloat16, include_mtp: bool = True) -> Params:
-    """Pytree of ``jax.ShapeDtypeStruct`` for every parameter (float32 for norms and GDN gates)."""
+def param_shapes(cfg: Qwen35Config, dtype=jnp.bfloat16, include_mtp: bool = True, fp8=None) -> Params:
+    """Pytree of ``jax.ShapeDtypeStruct`` for every parameter (float32 for norms and GDN gates). ``fp8``: a
+    :class:`jaxmtp.fp8.Fp8Scheme`; the linears it converts are block-FP8 dicts (e4m3 ``[..., out, in]`` and float32
+    block scales, :mod:`jaxmtp.fp8`)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     tree: dict = {
         "embed_tokens": (v, h),
@@ -113,24 +117,37 @@ def param_shapes(cfg: Qwen35Config, dtype=jnp.bfloat16, include_mtp: bool = True
 
     def leaf(path, shape):
         name = str(path[-1].key)
+        module = linear_module_name(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path))
+        if fp8 is not None and module is not None and fp8.converts(module):
+            *lead, k, n = shape
+            return {"weight": jax.ShapeDtypeStruct((*lead, n, k), FP8_DTYPE),
+                    "block_scale": jax.ShapeDtypeStruct((*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), jnp.float32)}
         f32 = any(tag in name for tag in FLOAT32_LEAVES)
         return jax.ShapeDtypeStruct(tuple(shape), jnp.float32 if f32 else jnp.dtype(dtype))
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def init_params(cfg: Qwen35Config, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+def init_params(cfg: Qwen35Config, key: jax.Array, dtype=jnp.float32, scale: float = 0.02, fp8=None) -> Params:
     """Random parameters with the right shapes (for tests, benchmarks and training from scratch).
 
     Projections ~ N(0, scale); norm offsets ~ N(0, 0.1) (real checkpoints hold nonzero offsets); GDN ``A_log`` =
-    log U(1, 16) and ``dt_bias`` ~ N(0, 1) as in transformers' initialisation.
+    log U(1, 16) and ``dt_bias`` ~ N(0, 1) as in transformers' initialisation. ``fp8`` (an
+    :class:`jaxmtp.fp8.Fp8Scheme`): the linears it converts drawn directly as block FP8 (e4m3 values of N(0, 64)
+    times block scales of about scale / 64, so no floating copy is ever made: benchmarks of large FP8 models).
     """
-    shapes = param_shapes(cfg, dtype)
+    shapes = param_shapes(cfg, dtype, fp8=fp8)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
     out = []
     for (path, sds), k in zip(leaves, keys):
         name = str(path[-1].key)
+        if sds.dtype == FP8_DTYPE:
+            out.append(jnp.clip(64.0 * jax.random.normal(k, sds.shape, jnp.float32), -448, 448).astype(sds.dtype))
+            continue
+        if name == "block_scale":
+            out.append(jax.random.uniform(k, sds.shape, jnp.float32, 0.5, 2.0) * (scale / 64.0))
+            continue
         if name == "A_log":
             x = jnp.log(jax.random.uniform(k, sds.shape, jnp.float32, 1.0, 16.0))
         elif name == "dt_bias":

@@ -35,26 +35,53 @@ import numpy as np
 
 from jaxmtp.config import ConfigError
 from jaxmtp.draft_vocab import padded_ids
-from jaxmtp.layers.projections import (FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, OUTPUT_PROJECTIONS, TRANSPOSED_SUFFIX,
-                                       split_fused)
-from jaxmtp.pallas.ops import is_quantized
-from jaxmtp.pallas.matmul.reference import INT4_BLOCK
+from jaxmtp.layers.projections import (FUSED_COLUMN_MULTIPLE, FUSED_GROUPS, OUTPUT_PROJECTIONS, RUN_JOIN,
+                                       TRANSPOSED_SUFFIX, part_widths)
+from jaxmtp.pallas.ops import is_fp8, is_quantized
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK, INT4_BLOCK
 from jaxmtp.quantize import array_module, quantize_rows, quantize_rows_int4
 
 
 
+def _concat(ws: list, pad: bool):
+    """Weights side by side along their outputs: floating ``[K, N]`` along columns (zero columns to a multiple of
+    ``FUSED_COLUMN_MULTIPLE`` with ``pad``); block-FP8 ``[N, K]`` along rows with their block scales (never padded;
+    every part but the last a whole number of blocks, :func:`_fuse_runs`)."""
+    if is_fp8(ws[0]):
+        xp = array_module(ws[0]["weight"])
+        return {key: xp.concatenate([w[key] for w in ws], axis=0) for key in ("weight", "block_scale")}
+    xp = array_module(ws[0])
+    extra = (-sum(w.shape[1] for w in ws)) % FUSED_COLUMN_MULTIPLE if pad else 0
+    if extra:
+        ws = ws + [xp.zeros((ws[0].shape[0], extra), ws[0].dtype)]
+    return xp.concatenate(ws, axis=1)
+
+
+def _fuse_runs(d: dict, parts: tuple) -> list[list[str]]:
+    """``parts`` cut into runs that can share one weight: consecutive parts of one kind (floating or block-FP8),
+    an FP8 part joining only after a part of whole 128-row blocks."""
+    runs: list[list[str]] = []
+    for name in parts:
+        w, prev = d[name], d[runs[-1][-1]] if runs else None
+        if prev is not None and is_fp8(w) == is_fp8(prev) and (
+                not is_fp8(w) or prev["weight"].shape[0] % FP8_BLOCK == 0):
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return runs
+
+
 def _fuse_dict(d: dict) -> None:
     for fused, parts in FUSED_GROUPS.items():
-        if fused in d or not all(name in d for name in parts):
+        if fused in d or not all(name in d for name in parts) or getattr(d[parts[0]], "ndim", 2) != 2:
             continue
-        ws = [d.pop(name) for name in parts]
-        xp = array_module(ws[0])
-        width = sum(w.shape[1] for w in ws)
-        pad = (-width) % FUSED_COLUMN_MULTIPLE
-        if pad:
-            ws.append(xp.zeros((ws[0].shape[0], pad), ws[0].dtype))
-        d[fused] = xp.concatenate(ws, axis=1)
-        del ws
+        runs = _fuse_runs(d, parts)
+        if len(runs) == 1:
+            d[fused] = _concat([d.pop(name) for name in parts], pad=True)
+            continue
+        for run in runs:  # mixed kinds (an FP8 checkpoint's GDN projections): each run fused on its own, unpadded
+            if len(run) > 1:
+                d[RUN_JOIN.join(run)] = _concat([d.pop(name) for name in run], pad=False)
 
 
 def _walk_dicts(node, fn) -> None:
@@ -239,13 +266,28 @@ def native_layout(params: dict, cfg) -> dict:
         raise ConfigError("these params hold the MTP layer as int8 (the serving layout's drafting copy), not the "
                           "checkpoint's weights: load with int8_draft_head=False (--exact-draft-head) to export")
 
+    def split(w, widths):
+        if is_fp8(w):
+            return [{"weight": w["weight"][a : a + n], "block_scale": w["block_scale"][a // FP8_BLOCK :
+                                                                                       -(-(a + n) // FP8_BLOCK)]}
+                    for a, n in zip(np.cumsum((0,) + widths[:-1]), widths)]
+        return [w[:, a : a + n] for a, n in zip(np.cumsum((0,) + widths[:-1]), widths)]
+
     def walk(node):
+        if is_fp8(node):
+            return node
         if isinstance(node, dict):
             out = {k: walk(v) for k, v in node.items() if k != "draft_head"}
             _set_outputs(out, False)
             for fused, parts in FUSED_GROUPS.items():
-                if fused in out and not (fused == "gate_up_proj" and out[fused].ndim == 3):  # not MoE experts
-                    out.update(zip(parts, split_fused(out.pop(fused), fused, out, cfg)))
+                keys = [k for k in out if (k == fused or (RUN_JOIN in k and k.split(RUN_JOIN)[0] in parts))
+                        and (out[k]["weight"] if is_fp8(out[k]) else out[k]).ndim == 2]  # MoE experts are native
+                widths = dict(zip(parts, part_widths(cfg, fused, out))) if keys else {}
+                for key in keys:
+                    w = out[key]
+                    names = parts if key == fused else tuple(key.split(RUN_JOIN))
+                    out.pop(key)
+                    out.update(zip(names, split(w, tuple(widths[n] for n in names))))
             return out
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v) for v in node)

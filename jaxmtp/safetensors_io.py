@@ -23,6 +23,8 @@ DTYPES = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # block-FP8 checkpoints (jaxmtp.fp8)
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),  # readable; the loader names it as unsupported
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 

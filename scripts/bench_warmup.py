@@ -46,12 +46,17 @@ def _start_server(cmd: list[str], timeout: float) -> dict:
 
     from jaxmtp.serving.client import Client
 
+    import tempfile
+
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: progress lines must never block the server
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = proc.stdout.readline()
         if "listening on" not in line:
-            raise RuntimeError(f"the server did not start: {line!r}\n{proc.stderr.read()[-4000:]}")
+            proc.wait(timeout=30)
+            log.seek(0)
+            raise RuntimeError(f"the server did not start: {line!r}\n{log.read()[-4000:]}")
         listening = time.perf_counter() - t0
         address = line.split()[-1]
         with Client(address, timeout=timeout) as c:

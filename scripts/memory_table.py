@@ -3,6 +3,7 @@
 
     python scripts/memory_table.py [--slots 8] [--context 8192] [--k 3] [--model PATH ...]
     python scripts/memory_table.py --per-device     # one device's share under tensor / expert parallelism
+    python scripts/memory_table.py --quantization fp8   # block-FP8 weights (the official FP8 checkpoints)
 
 Weights exclude the serving layout's quantised draft head (V x H / 2 bytes as int4, V x H as int8, on every
 device).
@@ -13,6 +14,7 @@ import argparse
 import jaxmtp
 from jaxmtp import shapes
 from jaxmtp.engine.memory import memory_plan
+from jaxmtp.fp8 import STANDARD
 
 
 def mib(b):
@@ -26,6 +28,8 @@ def main():
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--model", action="append", default=[], help="also a checkpoint directory (e.g. the default)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="weights in block FP8 where the official FP8 checkpoints have them (jaxmtp.fp8)")
     ap.add_argument("--per-device", action="store_true",
                     help="one device's plan for the layouts docs/engine.md recommends (TP / EP degrees)")
     args = ap.parse_args()
@@ -34,12 +38,13 @@ def main():
     rows = [(n, shapes.config(n)) for n in shapes.names() if n != "qwen3.5-9b"]
     for path in args.model:
         rows.insert(0, (path, jaxmtp.Qwen35Config.from_pretrained(path)))
-    print(f"slots = {args.slots}, context = {args.context} tokens, k = {args.k}, {args.dtype}; MiB\n")
+    print(f"slots = {args.slots}, context = {args.context} tokens, k = {args.k}, {args.dtype}"
+          f"{', FP8 weights' if args.quantization else ''}; MiB\n")
     print("| model | weights | KV / slot | MTP KV / slot | GDN state / slot | conv / slot | verify window / slot "
           "(transient) | logits / slot (transient) | total |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, cfg in rows:
-        p = memory_plan(cfg, args.slots, args.context, args.k, args.dtype)
+        p = memory_plan(cfg, args.slots, args.context, args.k, args.dtype, fp8=STANDARD if args.quantization else None)
         print(f"| {name} | {mib(p.weights)} | {mib(p.kv_per_slot)} | {mib(p.mtp_kv_per_slot)} | "
               f"{mib(p.gdn_state_per_slot)} | {mib(p.conv_per_slot)} | {mib(p.verify_window_per_slot)} | "
               f"{mib(p.logits_per_slot)} | {mib(p.total)} |")

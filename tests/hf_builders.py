@@ -243,3 +243,80 @@ def hf_final_hidden(model, ids: np.ndarray, dtype=torch.float64) -> np.ndarray:
         out = base(input_ids=torch.tensor(np.asarray(ids), dtype=torch.long)).last_hidden_state.numpy()
     base.float()
     return out
+
+
+def _is_linear(name: str) -> bool:
+    """Whether an HF tensor name is a linear layer's 2-D weight (the tensors an FP8 checkpoint may quantise)."""
+    return name.endswith(("_proj.weight", ".fc.weight", "mlp.gate.weight", "shared_expert_gate.weight",
+                          "lm_head.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkvz.weight",
+                          "in_proj_a.weight", "in_proj_b.weight", "in_proj_ba.weight"))
+
+
+def numpy_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 ``q * scale of its 128 x 128 block``, computed with numpy only (the tests' reference)."""
+    n, k = q.shape
+    s = np.repeat(np.repeat(np.asarray(scale, np.float32), 128, axis=0)[:n], 128, axis=1)[:, :k]
+    return q.astype(np.float32) * s
+
+
+def write_fp8_checkpoint(src: str, dst: str, twin: str | None = None, *, scale_dtype: str = "F32",
+                         not_converted: tuple[str, ...] = (), scale_spread: float = 4.0, seed: int = 0) -> set:
+    """Write the floating HF checkpoint ``src`` (float32 tensors) as a block-FP8 checkpoint in the official layout
+    at ``dst``: every linear weight not in ``modules_to_not_convert`` (the official list: lm_head, GDN in_proj_a/b,
+    MoE router and shared-expert gate, mtp.fc, per layer by full name, plus ``not_converted``) quantised to e4m3
+    ``X.weight`` with ``X.weight_scale_inv`` (``scale_dtype`` F32 or BF16) per 128 x 128 block, after scaling each
+    block row of the weight by a random factor up to ``scale_spread`` (so the blocks' scales differ widely).
+    ``twin``: also write the same model with every FP8 weight dequantised (numpy, float32). Returns the names of the
+    FP8 weights."""
+    import shutil
+
+    import ml_dtypes
+
+    from jaxmtp.quantize import quantize_fp8_blocks
+
+    rng = np.random.default_rng(seed)
+    for d in (dst, twin) if twin else (dst,):
+        shutil.copytree(src, d, dirs_exist_ok=True)
+        for f in os.listdir(d):
+            if f.endswith(".safetensors") or f.endswith(".index.json"):
+                os.remove(os.path.join(d, f))
+    tensors = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            st = SafetensorsFile(os.path.join(src, f))
+            tensors.update({k: np.array(st.get(k), np.float32) for k in st.keys()})
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w, prefix = tensors.pop(name), name.rsplit(".", 1)[0]  # fused 3-D experts -> per expert (FP8 layout)
+        for e in range(w.shape[0]):
+            if name.endswith("gate_up_proj"):
+                i = w.shape[1] // 2
+                tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"] = w[e, :i], w[e, i:]
+            else:
+                tensors[f"{prefix}.{e}.down_proj.weight"] = w[e]
+    official = ["lm_head", "mtp.fc"] + sorted(
+        n[: -len(".weight")] for n in tensors
+        if n.endswith(("in_proj_a.weight", "in_proj_b.weight", "in_proj_ba.weight", "mlp.gate.weight",
+                       "shared_expert_gate.weight")))
+    skip = set(official) | set(not_converted)
+    out, plain, fp8_names = {}, {}, set()
+    for name, w in tensors.items():
+        module = name[: -len(".weight")]
+        if not (_is_linear(name) and w.ndim == 2 and module not in skip):
+            out[name] = plain[name] = w
+            continue
+        rows = -(-w.shape[0] // 128)
+        w = w * np.repeat(rng.uniform(1.0 / scale_spread, scale_spread, rows), 128)[: w.shape[0], None]
+        q, s = quantize_fp8_blocks(w.astype(np.float32))
+        s = s.astype(ml_dtypes.bfloat16) if scale_dtype == "BF16" else s
+        out[name], out[name + "_scale_inv"] = q, s
+        plain[name] = numpy_dequantize(q, s)
+        fp8_names.add(name)
+    write_tensors(dst, out)
+    cfg_path = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "modules_to_not_convert": sorted(skip)}
+    json.dump(cfg, open(cfg_path, "w"), indent=1)
+    if twin:
+        write_tensors(twin, plain)
+    return fp8_names

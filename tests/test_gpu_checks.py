@@ -88,3 +88,63 @@ def test_kernels_match_xla_in_a_model(layout):
     kernels = override_backend(checks.all_kernels(), "kernel_max_rows=64,output_gemv_max_rows=4")
     results = checks.kernels_vs_xla(cfg, kernels)
     assert len(results) == 4 and all(c["pass"] for c in results), results
+
+
+def test_fp8_kernels_match_float64_at_released_shapes():
+    """The block-FP8 products (27B gate/up and down shapes; decode, verify, batch and prefill-sized row counts) and
+    routed experts (35B-A3B shapes) on the GPU kernels against float64 products of the dequantised weights."""
+    from jaxmtp.pallas.matmul import fp8_linear
+    from jaxmtp.pallas.matmul.reference import FP8_DTYPE, dequantize_fp8
+    from jaxmtp.pallas.moe import moe_experts
+
+    key = jax.random.key(0)
+
+    def fp8(shape, k):
+        k1, k2 = jax.random.split(k)
+        w = (64 * jax.random.normal(k1, shape, jnp.float32)).clip(-448, 448).astype(FP8_DTYPE)
+        nb, kb = -(-shape[-2] // 128), -(-shape[-1] // 128)
+        return {"weight": w, "block_scale": jax.random.uniform(k2, (*shape[:-2], nb, kb), jnp.float32, 1e-4, 1e-3)}
+
+    for n, kdim in ((17408, 5120), (5120, 17408)):
+        w = fp8((n, kdim), jax.random.fold_in(key, n))
+        w64 = np.asarray(dequantize_fp8(w["weight"], w["block_scale"]), np.float64)
+        for m in (1, 4, 32, 300):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, kdim), jnp.float32).astype(jnp.bfloat16)
+            got = np.asarray(fp8_linear(x, w, implementation="triton"), np.float64)
+            want = np.asarray(x, np.float64) @ w64.T
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 8e-3, (n, kdim, m)
+    e, h, i, top = 256, 2048, 512, 8
+    gate_up, down = fp8((e, 2 * i, h), jax.random.fold_in(key, 1)), fp8((e, h, i), jax.random.fold_in(key, 2))
+    gu64 = np.asarray(dequantize_fp8(gate_up["weight"], gate_up["block_scale"]), np.float64)
+    dn64 = np.asarray(dequantize_fp8(down["weight"], down["block_scale"]), np.float64)
+    rng = np.random.default_rng(0)
+    for rows in (1, 4, 64):
+        x = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+        experts = jnp.asarray(np.stack([rng.choice(e, top, replace=False) for _ in range(rows)]), jnp.int32)
+        weights = jnp.asarray(rng.dirichlet(np.ones(top), rows), jnp.bfloat16)
+        got = np.asarray(moe_experts(x, weights, experts, gate_up, down, implementation="triton"), np.float64)
+        want = np.zeros((rows, h))
+        x64, w64, ex = np.asarray(x, np.float64), np.asarray(weights, np.float64), np.asarray(experts)
+        for r in range(rows):
+            for j in range(top):
+                g = gu64[ex[r, j]] @ x64[r]
+                act = g[:i] / (1 + np.exp(-g[:i])) * g[i:]
+                want[r] += w64[r, j] * (dn64[ex[r, j]] @ act)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, rows
+
+
+def test_speculative_greedy_reproduces_plain_greedy_on_the_default_model_in_fp8():
+    """The shipped model quantised to block FP8 on load, every FP8 product on the GPU kernels: greedy k = 3 parts
+    from plain decoding only at near-tied logits (the verify window's products run the tensor-core path, the plain
+    step's one row the multiply-add path: bf16 sums in another order), with drafts accepted (the MTP layer is FP8
+    too)."""
+    import jaxmtp
+    from jaxmtp.fp8 import has_fp8
+
+    model = jaxmtp.load(progress=False, quantization="fp8")
+    assert has_fp8(model.params) and model.backend.fp8_matmul == "triton"
+    prompts = [model.tokenizer.encode(p).ids for p in PROMPTS]
+    out = checks.speculative_vs_plain(model, 3, prompts, tokens=64)
+    gaps = [g for g in out["top2_gap_at_difference"] if g is not None]
+    assert len(gaps) <= 1 and all(g < 0.05 for g in gaps), out["top2_gap_at_difference"]
+    assert all(1.0 < al < 4.0 for al in out["mean_acceptance_length"]), out

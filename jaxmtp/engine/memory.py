@@ -104,17 +104,18 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16,
-                weights: int | None = None) -> MemoryPlan:
+                weights: int | None = None, fp8=None) -> MemoryPlan:
     """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens.
     ``weights``: the params' bytes if known (the serving layout's quantised draft head adds V x H / 2 as int4, V x H
-    as int8); else the native layout's, from the config."""
+    as int8); else the native layout's, from the config (``fp8``, a :class:`jaxmtp.fp8.Fp8Scheme`: with the
+    linears it converts in block FP8)."""
     b = jnp.dtype(dtype).itemsize
     capacity = max_context + k
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * b
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     if weights is None:
-        weights = weight_bytes(param_shapes(cfg, dtype, include_mtp=k > 0))
+        weights = weight_bytes(param_shapes(cfg, dtype, include_mtp=k > 0, fp8=fp8))
     return MemoryPlan(
         weights=weights,
         kv_per_slot=n_attn * capacity * kv_row,

@@ -2,7 +2,10 @@
 
 The native (checkpoint) layout stores each projection separately; :func:`jaxmtp.param_layout.fuse_projections`
 concatenates every group below into one weight (columns zero-padded to a multiple of ``FUSED_COLUMN_MULTIPLE``) for
-serving. :func:`fused_product` reads either layout, so the layers run on both.
+serving. Where a group's parts differ in kind (an FP8 checkpoint's GDN ``in_proj_qkv|z`` are block-FP8, its
+``in_proj_b|a`` floating: :mod:`jaxmtp.fp8`), each run of parts of one kind is fused under its names joined by
+:data:`RUN_JOIN` (``"in_proj_qkv+in_proj_z"``), unpadded. :func:`fused_product` reads every layout, so the layers
+run on all.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.pallas.ops import is_quantized
+from jaxmtp.pallas.ops import is_fp8, is_quantized
 
 # Projections that end a block (their output joins the residual stream). The serving layout may store them
 # transposed, ``[N, K]`` under ``name + "_t"`` (:func:`jaxmtp.param_layout.set_output_layout`), for the one-row
@@ -27,6 +30,7 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),  # SwiGLU (dense MLP, MoE shared expert)
 }
 FUSED_COLUMN_MULTIPLE = 128
+RUN_JOIN = "+"  # the key of a fused run of a group's parts: their names joined
 
 
 def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
@@ -42,18 +46,29 @@ def part_widths(cfg, fused: str, p) -> tuple[int, ...]:
         i = p["down_proj_t"].shape[1]
     else:
         w = p["down_proj"]
-        i = w["weight"].shape[1] if is_quantized(w) else w.shape[0]
+        i = w["weight"].shape[1] if is_quantized(w) or is_fp8(w) else w.shape[0]
     return (i, i)
 
 
+def stored_parts(p, fused: str) -> list[str]:
+    """The keys of ``p`` that hold the parts of ``FUSED_GROUPS[fused]``, in column order: a part's own name or the
+    name of the fused run (:data:`RUN_JOIN`) that starts with it."""
+    parts, keys, i = FUSED_GROUPS[fused], [], 0
+    while i < len(parts):
+        j = next(j for j in range(len(parts), i, -1) if j == i + 1 or RUN_JOIN.join(parts[i:j]) in p)
+        keys.append(RUN_JOIN.join(parts[i:j]))
+        i = j
+    return keys
+
+
 def fused_product(p, x, fused: str, mm: Callable, form: Callable):
-    """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or, in the native layout, the
-    parts' products concatenated (x formed once first with ``form``: it may be a lazy norm). ``mm(x, w)`` computes a
-    product."""
+    """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or the products of the stored
+    parts (:func:`stored_parts`: native projections or fused runs) concatenated (x formed once first with ``form``:
+    it may be a lazy norm). ``mm(x, w)`` computes a product."""
     if fused in p:
         return mm(x, p[fused])
     x = form(x)
-    return jnp.concatenate([mm(x, p[name]) for name in FUSED_GROUPS[fused]], axis=-1)
+    return jnp.concatenate([mm(x, p[name]) for name in stored_parts(p, fused)], axis=-1)
 
 
 def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:

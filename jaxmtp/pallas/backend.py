@@ -40,6 +40,9 @@ class Backend:
     # the MTP layer's products: a kernel name makes the serving layout hold its 2-D weights as int8 with a scale per
     # output channel (jaxmtp.quantize.quantize_mtp; drafts only, outputs unchanged), run by the quantised kernels
     mtp_matmul: str = "xla"
+    # products with block-FP8 weights (jaxmtp.fp8; jaxmtp.pallas.matmul.fp8_linear): a kernel name runs the FP8
+    # kernels for decode and verify rows; "xla" dequantises the weight before each product
+    fp8_matmul: str = "xla"
     policy: KernelPolicy = DEFAULT_POLICY
     # tensor parallelism: the ranks the step is split over and how row-parallel products are summed across them
     # (jaxmtp.pallas.collectives; set by jaxmtp.parallel for a sharded model, one device otherwise)
@@ -112,7 +115,8 @@ def auto_backend(platform_name: str, cfg=None, dtype=None, policy: KernelPolicy 
     if platform_name != "gpu":
         return xla
     backend = dataclasses.replace(xla, attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON,
-                                  draft_head=TRITON, norm=TRITON, gdn_mixer=TRITON, attention_prelude=TRITON)
+                                  draft_head=TRITON, norm=TRITON, gdn_mixer=TRITON, attention_prelude=TRITON,
+                                  fp8_matmul=TRITON)
     if cfg is not None and cfg.hidden_size <= policy.matmul_kernel_max_hidden:
         backend = dataclasses.replace(backend, matmul=TRITON)
     if cfg is not None and cfg.hidden_size <= policy.out_matmul_max_hidden:

@@ -38,6 +38,7 @@ from jaxmtp.pallas.gated_delta_rule.mixer_reference import gdn_mixer_reference
 from jaxmtp.pallas.matmul.reference import argmax_from_partials, swiglu_reference
 
 is_quantized = _matmul.is_quantized
+is_fp8 = _matmul.is_fp8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,9 +92,13 @@ def _rows(x) -> int:
 
 
 def linear(x, w, backend: Backend, *, transpose_w: bool = False, out_dtype=None):
-    """``x @ W`` [..., N]: x [..., K] or a :class:`NormedRows`; w [K, N] ([N, K] with ``transpose_w``) or a quantised
-    weight ``{"weight": int8 [N, K], "scale": [N]}`` (:func:`jaxmtp.pallas.matmul.linear`)."""
+    """``x @ W`` [..., N]: x [..., K] or a :class:`NormedRows`; w [K, N] ([N, K] with ``transpose_w``), a quantised
+    weight ``{"weight": int8 [N, K], "scale": [N]}`` (:func:`jaxmtp.pallas.matmul.linear`) or a block-FP8 one
+    (:func:`jaxmtp.pallas.matmul.fp8_linear`, run by ``backend.fp8_matmul``)."""
     impl, policy = backend.matmul, backend.policy
+    if is_fp8(w):
+        return _matmul.fp8_linear(form(x, backend), w, out_dtype=out_dtype, implementation=backend.fp8_matmul,
+                                  policy=policy)
     if isinstance(x, NormedRows):
         if _matmul.layer_gemv_applies(_rows(x), w, impl, policy):
             return _matmul.layer_gemv(x.x, w, implementation=impl, norm=(x.weight, x.eps), out_dtype=out_dtype)
@@ -109,15 +114,17 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     a :class:`SplitSum` (for :func:`add_rms_norm`). Under tensor parallelism W is row-parallel: the result is summed
     over the ranks (``reduce=False``: left as this rank's partial for :func:`tp_sum`, in the psum mode)."""
     tp = backend.parallel
-    kdim = (w["weight"].shape[1] if is_quantized(w) else w.shape[1] if transposed else w.shape[0])
+    kdim = (w["weight"].shape[1] if is_quantized(w) or is_fp8(w) else w.shape[1] if transposed else w.shape[0])
     if tp.active and tp.fixed:  # the exact mode: fixed K slices summed in one tree over every rank
         a = swiglu_reference(a, kdim) if swiglu else a
-        if is_quantized(w):
+        if is_fp8(w):
+            w = _matmul.dequantize_fp8(w["weight"], w["block_scale"]).T
+        elif is_quantized(w):
             w = (w["weight"].astype(jnp.float32) * w["scale"].astype(jnp.float32)[:, None]).T
         elif transposed:
             w = w.T
         return _collectives.fixed_product(a, w.astype(a.dtype), tp).astype(a.dtype)
-    if transposed:
+    if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
     else:
@@ -237,12 +244,13 @@ def moe_experts(x, weights, experts, gate_up, down, backend: Backend):
     tp = backend.parallel
     if not tp.active:
         return _moe.moe_experts(x, weights, experts, gate_up, down, implementation=backend.moe)
-    n_local = gate_up.shape[0]
+    n_local = (gate_up["weight"] if is_fp8(gate_up) else gate_up).shape[0]
     local = experts - _collectives.rank(tp) * n_local
     mine = (local >= 0) & (local < n_local)
     local = jnp.where(mine, local, 0)
     if tp.fixed:
-        y = _moe.gathered_pairs(x, local, gate_up, down)  # [N, K, H]
+        pairs = _moe.fp8_gathered_pairs if is_fp8(gate_up) else _moe.gathered_pairs
+        y = pairs(x, local, gate_up, down)  # [N, K, H]
         y = _collectives.exact_sum(jnp.where(mine[..., None], y, 0), tp)
         return _moe.weighted_pairs(y, weights, x.dtype)
     return _moe.moe_experts(x, jnp.where(mine, weights, 0), local, gate_up, down, implementation=backend.moe)
@@ -318,6 +326,6 @@ def draft_pass_input(choice: Choice, embed, hidden, w_e, w_h, eps: float, backen
 
 __all__ = ["Choice", "NormedRows", "SplitSum", "add_norm_head_argmax", "add_rms_norm", "cached_attention",
            "choice_ids", "chunk_gated_delta_rule", "commit_windows", "draft_pass_input", "fc_input", "form",
-           "fused_gated_attention", "gdn_form", "gdn_mixer", "head_choice", "is_quantized", "linear", "moe_experts", "normed",
+           "fused_gated_attention", "gdn_form", "gdn_mixer", "head_choice", "is_fp8", "is_quantized", "linear", "moe_experts", "normed",
            "output_add_norm", "output_product", "quantized_head", "quantized_head_argmax", "rms_norm", "swiglu_mlp",
            "tp_sum"]

@@ -50,6 +50,10 @@ class KernelPolicy:
     layer_gemv_max_n: int = 65536  # int8 weights up to this many outputs are MTP-layer products, not a head
     layer_gemv_max_rows: int = 1  # rows of an MTP-layer product on the multiply-add kernel (norm/residual inside)
 
+    # block-FP8 products (jaxmtp.pallas.matmul.fp8_linear): rows up to this many on the FP8 kernels, which read the
+    # e4m3 bytes; more rows (prefill) dequantise the weight to the activations' dtype and run XLA's product
+    fp8_kernel_max_rows: int = 256
+
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
     output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K
     output_skinny_max_rows: int = 1  # rows on the tensor-core kernel with one split

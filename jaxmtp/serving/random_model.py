@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmtp.config import FULL, LINEAR, Qwen35Config
+from jaxmtp.config import FULL, LINEAR, ConfigError, Qwen35Config
 from jaxmtp.draft_vocab import read_draft_vocab
+from jaxmtp.fp8 import STANDARD, check_quantization
 from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params
 from jaxmtp.pallas import resolve_backend
@@ -32,8 +33,13 @@ PRESETS = {
 
 
 def random_config(name: str) -> Qwen35Config:
+    """A preset of :data:`PRESETS`, or a released shape of :mod:`jaxmtp.shapes` (``qwen3.5-27b``, ...)."""
+    from jaxmtp import shapes
+
+    if name not in PRESETS and name in shapes.names():
+        return shapes.config(name)
     if name not in PRESETS:
-        raise ValueError(f"unknown random model {name!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown random model {name!r}; choose one of {sorted(PRESETS) + shapes.names()}")
     kw = dict(PRESETS[name])
     n = kw["num_hidden_layers"]
     return Qwen35Config(family="qwen3_5", layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
@@ -43,14 +49,18 @@ def random_config(name: str) -> Qwen35Config:
 
 def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True,
                  draft_vocab: int | None = None, draft_head_bits: int | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Model:
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, quantization: str | None = None) -> Model:
     """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
     serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`). ``draft_vocab``: a hot draft
     vocabulary of that many ids (the first ones: with random weights, which ids are hot does not matter; for step
-    costs). ``tensor_parallel_size``, ``data_parallel_size``: as :func:`jaxmtp.load`."""
+    costs). ``tensor_parallel_size``, ``data_parallel_size``, ``quantization``: as :func:`jaxmtp.load` (FP8 drawn
+    directly as block FP8, :func:`jaxmtp.model.init_params`)."""
+    check_quantization(quantization)
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
     backend = resolve_backend(backend, cfg, dtype)
+    if quantization and (tensor_parallel_size != 1 or data_parallel_size != 1):
+        raise ConfigError("FP8 weights with tensor or data parallelism are not supported yet")
     if tensor_parallel_size != 1 or data_parallel_size != 1:  # each rank's weights drawn on its devices
         from jaxmtp.parallel import make_layout, random_params
 
@@ -61,7 +71,8 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
                                draft_head_bits=draft_head_bits)
         return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
                      backend=layout.backend(backend), layout=layout)
-    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(seed), dtype)
+    params = jax.jit(init_params, static_argnums=(0, 2, 3, 4))(cfg, jax.random.key(seed), dtype, 0.02,
+                                                                STANDARD if quantization else None)
     ids = None if draft_vocab is None else read_draft_vocab(np.arange(draft_vocab), cfg.vocab_size)
     params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits,
                             backend=backend)

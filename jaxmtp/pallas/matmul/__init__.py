@@ -16,11 +16,15 @@ import math
 import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
+from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton
+from jaxmtp.pallas.matmul.fp8_triton import supports as fp8_supports
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import plan as gemv_plan
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
-from jaxmtp.pallas.matmul.reference import (argmax_from_partials, as_words, matmul_reference, quantize_rows_int8,
-                                            quantized_matmul_reference, swiglu_reference, w4a8_matmul_reference)
+from jaxmtp.pallas.matmul.reference import (argmax_from_partials, as_words, dequantize_fp8, fp8_matmul_reference,
+                                            matmul_reference,
+                                            quantize_rows_int8, quantized_matmul_reference, swiglu_reference,
+                                            w4a8_matmul_reference)
 from jaxmtp.pallas.matmul.skinny_triton import MAX_ROWS, output_plan, partials_plan, skinny_matmul_triton, supports
 from jaxmtp.pallas.matmul.w4a8_triton import supports as w4a8_supports
 from jaxmtp.pallas.matmul.w4a8_triton import w4a8_argmax_partials_triton, w4a8_argmax_triton, w4a8_matmul_triton
@@ -29,6 +33,24 @@ from jaxmtp.pallas.policy import DEFAULT_POLICY, KernelPolicy
 
 def _kernel(implementation: str) -> bool:
     return implementation in (TRITON, TRITON_INTERPRET)
+
+
+def is_fp8(w) -> bool:
+    """Whether ``w`` is a block-FP8 weight ``{"weight": e4m3 [N, K], "block_scale": float32 [ceil(N/128),
+    ceil(K/128)]}`` (:mod:`jaxmtp.fp8`), run by :func:`fp8_linear`."""
+    return isinstance(w, dict) and "block_scale" in w
+
+
+def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: KernelPolicy = DEFAULT_POLICY):
+    """``x @ dequant(W)^T`` [..., N] for a block-FP8 weight (:func:`is_fp8`); x [..., K]. ``"triton"`` /
+    ``"triton_interpret"``: up to ``policy.fp8_kernel_max_rows`` rows with :mod:`.fp8_triton` (e4m3 bytes read,
+    float32 accumulation), where it takes the shape; else (prefill, other backends) the reference, which dequantises
+    the weight to x's dtype first (:func:`jaxmtp.pallas.matmul.reference.fp8_matmul_reference`)."""
+    q, s = w["weight"], w["block_scale"]
+    rows = math.prod(x.shape[:-1])
+    if _kernel(implementation) and rows <= policy.fp8_kernel_max_rows and fp8_supports(rows, q.shape[1], q.shape[0]):
+        return fp8_matmul_triton(x, q, s, out_dtype=out_dtype, interpret=implementation == TRITON_INTERPRET)
+    return fp8_matmul_reference(x, q, s, out_dtype=out_dtype)
 
 
 def is_quantized(w) -> bool:
@@ -73,7 +95,10 @@ def layer_swiglu_applies(x_shape, w, width: int, implementation: str, policy: Ke
 def linear(x, w, *, transpose_w: bool = False, out_dtype=None, implementation: str = "xla",
            policy: KernelPolicy = DEFAULT_POLICY):
     """x: [..., K]; w: [K, N] (or [N, K] with ``transpose_w``), or a quantised weight (:func:`is_quantized`, run by
-    :func:`quantized_linear`). Returns [..., N] (``out_dtype``, default x.dtype)."""
+    :func:`quantized_linear`; :func:`is_fp8`, run by :func:`fp8_linear`). Returns [..., N] (``out_dtype``, default
+    x.dtype)."""
+    if is_fp8(w):
+        return fp8_linear(x, w, out_dtype=out_dtype, implementation=implementation, policy=policy)
     if is_quantized(w):
         return quantized_linear(x, w["weight"], w["scale"], out_dtype=out_dtype or x.dtype,
                                 implementation=implementation, policy=policy)
@@ -200,7 +225,8 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla", policy: Kernel
                       axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "gemv_matmul_triton", "is_quantized",
+__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "dequantize_fp8", "fp8_linear", "fp8_matmul_reference",
+           "fp8_matmul_triton", "gemv_matmul_triton", "is_fp8", "is_quantized",
            "layer_gemv", "layer_gemv_applies", "layer_swiglu_applies", "linear", "matmul_reference", "output_linear",
            "quantized_argmax", "quantized_argmax_partials", "quantized_linear", "quantized_matmul_reference",
            "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference",
