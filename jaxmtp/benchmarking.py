@@ -89,7 +89,7 @@ def random_model(cfg: Qwen35Config, dtype, backend="auto", layout: str = "servin
                                quantize_mtp_layer=quantize_mtp_layer)
         return Model(config=cfg, params=params, tokenizer=None, dtype=dtype, backend=par.backend(backend), layout=par)
     if quantization and tensor_parallel_size != 1:
-        raise ValueError("FP8 with tensor parallelism is not supported yet")
+        raise ValueError("a random FP8 model is drawn on one device (no tensor_parallel_size)")
     params = init_params(cfg, jax.random.PRNGKey(seed), dtype, fp8=STANDARD if quantization else None)
     if layout != "native":
         ids = None if draft_vocab is None else np.arange(draft_vocab, dtype=np.int32)

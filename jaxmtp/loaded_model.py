@@ -238,8 +238,8 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     projections stay FP8 on the device (half the bytes of bf16; the GPU kernels read them directly). ``quantization=
     "fp8"`` (vLLM's ``--quantization fp8``) quantises a floating checkpoint's projections to the same layout on load
     (the modules the official checkpoints quantise). Other formats are refused with the list of supported ones. On
-    a TPU (no FP8 kernel) the FP8 weights are dequantised to ``dtype`` at load. FP8 with tensor or data parallelism
-    is refused (not implemented yet).
+    a TPU (no FP8 kernel) the FP8 weights are dequantised to ``dtype`` at load. Under tensor parallelism every
+    rank's share of an FP8 weight must be whole 128 x 128 blocks (:func:`jaxmtp.parallel.check_fp8_layout`).
     """
     from jaxmtp.compile_cache import enable_compile_cache
     from jaxmtp.engine.memory import set_memory_fraction
@@ -261,14 +261,14 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     sharded = (mesh is not None or tensor_parallel_size != 1 or data_parallel_size != 1
                or tensor_parallel_reduce != "psum")
     scheme = None if checkpoint.is_native(path) else fp8.read_scheme_file(path)  # other formats refused here
-    if sharded and (quantization or scheme is not None):
-        raise ConfigError("FP8 weights with tensor or data parallelism are not supported yet: load the FP8 model on "
-                          "one device, or a floating checkpoint without --quantization")
     if sharded:  # an impossible layout is refused before any weight is read
-        from jaxmtp.parallel import make_layout
+        from jaxmtp.parallel import check_fp8_layout, make_layout
 
-        layout = make_layout(Qwen35Config.from_pretrained(path), tensor_parallel_size, dp=data_parallel_size,
-                             mesh=mesh, reduce=tensor_parallel_reduce)
+        cfg_checked = Qwen35Config.from_pretrained(path)
+        layout = make_layout(cfg_checked, tensor_parallel_size, dp=data_parallel_size, mesh=mesh,
+                             reduce=tensor_parallel_reduce)
+        if quantization or scheme is not None:
+            check_fp8_layout(cfg_checked, layout.tp)
     ids = None
     if draft_vocab is not None or draft_head_bits == 4:  # checked before any weight is read
         cfg0 = Qwen35Config.from_pretrained(path)

@@ -41,6 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmtp.config import ConfigError, Qwen35Config
 from jaxmtp.pallas.collectives import TensorParallel
+from jaxmtp.pallas.matmul import is_fp8
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK
 
 TP, DP = "tp", "dp"
 
@@ -69,6 +71,30 @@ def check_layout(cfg: Qwen35Config, tp: int) -> None:
             problems.append(f"the shared expert's width {cfg.shared_expert_intermediate_size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size={tp} does not divide " + "; ".join(problems))
+
+
+def check_fp8_layout(cfg: Qwen35Config, tp: int) -> None:
+    """Refuse a tensor-parallel degree that would cut an FP8 weight's 128 x 128 scale blocks (ConfigError naming
+    the widths): every rank's share of the attention q|gate, KV, GDN q / k / v heads and MLP widths must be whole
+    blocks. (Qwen3.5's head sizes, 256 and 128, always are; MLP widths up to the degree where they stay multiples of
+    128.)"""
+    if tp == 1:
+        return
+    hd, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    widths = {"attention q|gate": cfg.num_attention_heads * 2 * hd // tp,
+              "attention o_proj input": cfg.num_attention_heads * hd // tp,
+              "KV heads": (cfg.num_key_value_heads // tp if tp <= cfg.num_key_value_heads else 1) * hd}
+    if cfg.linear_attention_layers:
+        widths.update({"GDN q / k": cfg.linear_num_key_heads * dk // tp,
+                       "GDN v / z": cfg.linear_num_value_heads * dv // tp})
+    if cfg.intermediate_size:
+        widths["MLP"] = cfg.intermediate_size // tp
+    if cfg.shared_expert_intermediate_size:
+        widths["shared expert"] = cfg.shared_expert_intermediate_size // tp
+    bad = [f"{name} {w}" for name, w in widths.items() if w % FP8_BLOCK]
+    if bad:
+        raise ConfigError(f"tensor_parallel_size={tp} would cut FP8 weights' {FP8_BLOCK}-wide scale blocks: each "
+                          f"rank's share must be a multiple of {FP8_BLOCK}, not {', '.join(bad)}")
 
 
 def local_config(cfg: Qwen35Config, tp: int) -> Qwen35Config:
@@ -113,22 +139,51 @@ def _gdn_channels(cfg: Qwen35Config, r: int, tp: int) -> np.ndarray:
                                                                r, tp)])
 
 
+def _blocks(idx: np.ndarray, size: int) -> np.ndarray:
+    """The 128-wide scale blocks of a block-FP8 axis of ``size`` that the element indices ``idx`` cover, whole
+    blocks in order (the axis' last block may be partial); a slice that cuts a block is a ConfigError."""
+    out = []
+    for i in range(0, len(idx), FP8_BLOCK):
+        c, start = idx[i : i + FP8_BLOCK], int(idx[i])
+        if start % FP8_BLOCK or len(c) != min(FP8_BLOCK, size - start) or not np.array_equal(
+                c, np.arange(start, start + len(c))):
+            raise ConfigError(f"a rank's slice of an FP8 weight (elements {int(idx[0])}..{int(idx[-1])} of {size}) "
+                              f"does not fall on its {FP8_BLOCK}-wide scale blocks")
+        out.append(start // FP8_BLOCK)
+    return np.asarray(out, np.int64)
+
+
 def _cols(w, idx):
+    """The output columns ``idx`` of a ``[K, N]`` weight (the rows of a block-FP8 ``[N, K]`` one, with its scales)."""
+    if is_fp8(w):
+        return {"weight": np.ascontiguousarray(w["weight"][..., idx, :]),
+                "block_scale": np.ascontiguousarray(w["block_scale"][..., _blocks(idx, w["weight"].shape[-2]), :])}
     return np.ascontiguousarray(w[..., idx])
 
 
 def _rows(w, idx):
+    """The input rows ``idx`` of a ``[K, N]`` weight (the columns of a block-FP8 ``[N, K]`` one, with its scales)."""
+    if is_fp8(w):
+        return {"weight": np.ascontiguousarray(w["weight"][..., idx]),
+                "block_scale": np.ascontiguousarray(w["block_scale"][..., _blocks(idx, w["weight"].shape[-1])])}
     return np.ascontiguousarray(w[idx])
+
+
+def _experts(w, sel: slice):
+    """Experts ``sel`` of a stacked expert weight (floating or block-FP8)."""
+    return {k: np.ascontiguousarray(a[sel]) for k, a in w.items()} if is_fp8(w) else np.ascontiguousarray(w[sel])
 
 
 def _mlp(p: dict, r: int, tp: int) -> dict:
     if "experts" in p:
-        e = p["experts"]["gate_up_proj"].shape[0] // tp
+        gu = p["experts"]["gate_up_proj"]
+        e = (gu["weight"] if is_fp8(gu) else gu).shape[0] // tp
         sel = slice(r * e, (r + 1) * e)
         return {"gate": p["gate"], "shared_expert_gate": p["shared_expert_gate"],
-                "experts": {name: np.ascontiguousarray(w[sel]) for name, w in p["experts"].items()},
+                "experts": {name: _experts(w, sel) for name, w in p["experts"].items()},
                 "shared_expert": _mlp(p["shared_expert"], r, tp)}
-    i = _span(p["gate_proj"].shape[1], 1, r, tp)
+    g = p["gate_proj"]
+    i = _span(g["weight"].shape[0] if is_fp8(g) else g.shape[1], 1, r, tp)
     return {"gate_proj": _cols(p["gate_proj"], i), "up_proj": _cols(p["up_proj"], i),
             "down_proj": _rows(p["down_proj"], i)}
 
@@ -364,9 +419,10 @@ def _stack_on_devices(per_device: list[dict], layout: ParallelLayout):
     return jax.tree_util.tree_unflatten(leaves[0][1], out)
 
 
-def rank_weight_bytes(cfg: Qwen35Config, tp: int, dtype="bfloat16", include_mtp: bool = True) -> int:
+def rank_weight_bytes(cfg: Qwen35Config, tp: int, dtype="bfloat16", include_mtp: bool = True, fp8=None) -> int:
     """Bytes of one rank's native-layout weights at TP ``tp`` (the serving layout's quantised draft head, replicated,
-    comes on top), from the config: for the per-device memory plan of a model not loaded."""
+    comes on top), from the config: for the per-device memory plan of a model not loaded. ``fp8``: a
+    :class:`jaxmtp.fp8.Fp8Scheme` (its linears in block FP8; the router and LM head it leaves floating)."""
     from jaxmtp.model import param_shapes
     from jaxmtp.param_layout import weight_bytes
 
@@ -375,7 +431,7 @@ def rank_weight_bytes(cfg: Qwen35Config, tp: int, dtype="bfloat16", include_mtp:
     if cfg.num_experts and tp > 1:
         local = dataclasses.replace(local, num_experts=cfg.num_experts // tp,
                                     num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.num_experts // tp))
-    total = weight_bytes(param_shapes(local, dtype, include_mtp=include_mtp))
+    total = weight_bytes(param_shapes(local, dtype, include_mtp=include_mtp, fp8=fp8))
     h, v = cfg.hidden_size, cfg.vocab_size
     if cfg.num_experts and tp > 1:  # the router scores every expert on every rank
         routers = sum(map(cfg.layer_is_moe, range(cfg.num_hidden_layers)))
@@ -416,6 +472,6 @@ def state_specs(state) -> Any:
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-__all__ = ["DP", "ParallelLayout", "TP", "carry_spec", "check_layout", "data_parallel_prefill", "device_bytes",
+__all__ = ["DP", "ParallelLayout", "TP", "carry_spec", "check_fp8_layout", "check_layout", "data_parallel_prefill", "device_bytes",
            "local_config", "make_layout", "make_mesh", "place", "random_params", "rank_weight_bytes", "shard_native",
            "sharded_serving_params", "state_specs", "vocab_sharded"]

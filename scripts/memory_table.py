@@ -57,12 +57,14 @@ LAYOUTS = [("qwen3.5-27b", 1), ("qwen3.5-27b", 2), ("qwen3.5-27b", 4), ("qwen3.5
 def per_device(args):
     from jaxmtp.parallel import local_config, rank_weight_bytes
 
-    print(f"slots = {args.slots}, context = {args.context} tokens, k = {args.k}, {args.dtype}; MiB per device\n")
+    print(f"slots = {args.slots}, context = {args.context} tokens, k = {args.k}, {args.dtype}"
+          f"{', FP8 weights' if args.quantization else ''}; MiB per device\n")
     print("| model | TP / EP | weights | KV / slot | MTP KV / slot | GDN state / slot | total |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, tp in LAYOUTS:
         cfg = shapes.config(name)
-        weights = rank_weight_bytes(cfg, tp, args.dtype, include_mtp=args.k > 0)
+        weights = rank_weight_bytes(cfg, tp, args.dtype, include_mtp=args.k > 0,
+                                    fp8=STANDARD if args.quantization else None)
         p = memory_plan(local_config(cfg, tp), args.slots, args.context, args.k, args.dtype, weights=weights)
         print(f"| {name} | {tp} | {mib(p.weights)} | {mib(p.kv_per_slot)} | {mib(p.mtp_kv_per_slot)} | "
               f"{mib(p.gdn_state_per_slot)} | {mib(p.total)} |")

@@ -60,7 +60,8 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
     dtype = jnp.dtype(dtype)
     backend = resolve_backend(backend, cfg, dtype)
     if quantization and (tensor_parallel_size != 1 or data_parallel_size != 1):
-        raise ConfigError("FP8 weights with tensor or data parallelism are not supported yet")
+        raise ConfigError("a random FP8 model is drawn on one device: --quantization fp8 with --random-model takes "
+                          "no -tp / -dp (an FP8 checkpoint loads with them)")
     if tensor_parallel_size != 1 or data_parallel_size != 1:  # each rank's weights drawn on its devices
         from jaxmtp.parallel import make_layout, random_params
 
