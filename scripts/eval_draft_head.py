@@ -6,8 +6,10 @@ default model (or ``--model``).
 
 Teacher-forced over the first ``--tokens`` tokens of ``--files`` standard-library files: ``Model.draft_logits`` with
 the int8 and the int4 draft head (each also with the MTP layer's weights int8, ``jaxmtp.param_layout.quantize_mtp``:
-``*_mtp8``; the GPU default for hidden sizes <= 4096 is ``int4_mtp8``) and with ``exact_head=True``; reports how
-often their argmax agree and how often each equals the target's greedy next token (what acceptance depends on).
+``*_mtp8``; the GPU default for hidden sizes <= 4096 is ``int4_mtp8``) and with ``exact_head=True``, and the whole
+model quantised to block FP8 on load (``fp8_int8``: ``jaxmtp.load(..., quantization="fp8")``, its MTP layer FP8
+too, the int8 head); reports how often their argmax agree and how often each equals the target's greedy next token
+(what acceptance depends on).
 Then the acceptance length of real greedy generation with k = 3 from ``--prompts`` held-out code prompts
 (``scripts/eval_default_model.py``'s) with each head.
 """
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
     for bits in ("int8", "int4"):
         m = heads[bits]
         heads[f"{bits}_mtp8"] = dataclasses.replace(m, params=quantize_mtp(jax.tree.map(lambda a: a, m.params)))
+    # the whole model quantised to block FP8 on load (its MTP layer too), drafting with the int8 head
+    heads["fp8_int8"] = jaxmtp.load(args.model, dtype="float32", progress=False, draft_head_bits=8, quantization="fp8")
     model = heads["int8"]
     if model.tokenizer is None or "draft_head" not in model.params:
         raise SystemExit("needs a checkpoint with a tokenizer and an MTP head")
