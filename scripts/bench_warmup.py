@@ -60,7 +60,12 @@ def _start_server(cmd: list[str], timeout: float) -> dict:
         listening = time.perf_counter() - t0
         address = line.split()[-1]
         with Client(address, timeout=timeout) as c:
-            c.wait_ready(timeout=timeout, poll_seconds=0.1, on_progress=lambda info: None)
+            try:
+                c.wait_ready(timeout=timeout, poll_seconds=0.1, on_progress=lambda info: None)
+            except Exception as e:  # noqa: BLE001 - the server's own log says why (it may have exited)
+                log.seek(0)
+                raise RuntimeError(f"the server was not SERVING ({e}); exit code {proc.poll()}; its log ends:\n"
+                                   f"{log.read()[-4000:]}") from None
             serving = time.perf_counter() - t0
             info = c.model_info()
             t = time.perf_counter()
