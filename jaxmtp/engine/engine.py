@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxmtp.engine import prefix_cache as _prefix
 from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
@@ -85,6 +86,7 @@ class RequestOutput:
     time_to_first_token: float | None = None
     elapsed: float | None = None
     queue_time: float | None = None  # arrival to admission into a slot
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class _Request:
     slot: int = -1
     admitted: float | None = None
     prefilled: int = 0  # prompt tokens already run through the target
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    keys: list | None = None  # the prompt's prefix-cache block keys (jaxmtp.engine.prefix_cache.block_keys)
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
     first_token_time: float | None = None
@@ -138,7 +142,7 @@ class Engine:
     def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
                  num_draft_tokens: int | None = None, prefill_chunk: int = 256, steps_per_sync: int = 8,
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None,
-                 slot_buckets: bool = True):
+                 slot_buckets: bool = True, prefix_cache_memory: int = 0, prefix_cache_granularity: int = 256):
         cfg = model.config
         if num_draft_tokens is None:
             num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
@@ -177,6 +181,9 @@ class Engine:
         weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
         # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
         self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
+        self.prefix_cache = self._pool = None
+        if prefix_cache_memory:
+            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity, layout)
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
@@ -190,6 +197,12 @@ class Engine:
             specs = state_specs(jax.eval_shape(lambda: init(cfg=layout.state_config())))
             state_out = jax.tree.map(layout.sharding, specs)
             self.state = jax.jit(lambda: init(cfg=layout.state_config()), out_shardings=state_out)()
+        if self.prefix_cache is not None:
+            g, idx = prefix_cache_granularity, self.prefix_cache
+            self._pool = _prefix.init_pool(self.state, g, idx.num_blocks, idx.num_snapshots)
+            self._save_block = jax.jit(_prefix.save_block, donate_argnums=0)
+            self._save_snapshot = jax.jit(_prefix.save_snapshot, donate_argnums=0)
+            self._restore = jax.jit(_prefix.restore, donate_argnums=0)
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -364,6 +377,68 @@ class Engine:
         for s in slots:
             self._slots[s] = None
 
+    # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
+    def _plan_prefix_cache(self, memory: int, granularity: int, layout) -> None:
+        """Size the prefix cache's pools to ``memory`` bytes (blocks and snapshots in equal numbers) and add them to
+        the memory plan; refuse settings it cannot honour (EngineConfigError)."""
+        if layout is not None:
+            raise EngineConfigError("prefix caching with tensor or data parallelism is not supported yet")
+        if granularity < self.prefill_chunk or granularity & (granularity - 1):
+            raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= prefill_chunk "
+                                    f"({self.prefill_chunk}), got {granularity}: snapshots are taken at chunk ends")
+        capacity = self.max_context + self.k
+        shapes = jax.eval_shape(lambda: steps.init_state(self.cfg, 1, capacity, self.k, self.model.dtype))
+        block, snap = _prefix.pool_bytes_per_entry(shapes, granularity)
+        n = int(memory) // (block + snap)
+        if n < 1:
+            raise EngineConfigError(f"prefix_cache_memory={memory} bytes holds no entry: one block of {granularity} "
+                                    f"tokens and one snapshot take {block + snap} bytes")
+        self.prefix_cache = _prefix.PrefixIndex(granularity, n, n)
+        self.plan = dataclasses.replace(self.plan, prefix_cache=n * (block + snap))
+
+    def _restore_prefixes(self, new) -> None:
+        """Resume each newly admitted request at its longest cached prefix (the slot's KV rows and GDN carries
+        copied from the pools; its prefill continues from there)."""
+        idx = self.prefix_cache
+        max_blocks = (self.max_context + self.k) // idx.granularity
+        for r in new:
+            hit = idx.lookup(r.prompt)
+            if hit is None:
+                continue
+            blocks = np.zeros((max_blocks,), np.int32)
+            blocks[: len(hit.blocks)] = hit.blocks
+            self.state = self._restore(self.state, self._pool, jnp.int32(r.slot), jnp.asarray(blocks),
+                                       jnp.int32(len(hit.blocks)), jnp.int32(hit.snapshot))
+            idx.used(r.prompt, hit)
+            r.prefilled = r.cached = hit.tokens
+
+    def _publish_prefix(self, r: _Request, end: int) -> None:
+        """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): hold its blocks
+        and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies enqueued after the chunk that filled
+        the slot, so any later restore reads them filled)."""
+        idx, g = self.prefix_cache, self.prefix_cache.granularity
+        if r.keys is None:
+            r.keys = _prefix.block_keys(r.prompt, g, (r.prompt.size - 1) // g)
+        keys, slot = r.keys[: end // g], jnp.int32(r.slot)
+        if idx.has_snapshot(keys[-1], r.prompt[end]):
+            return
+        for i in idx.missing_blocks(keys):
+            block = idx.add_block(keys[i])
+            if block is None:
+                return
+            self._pool = self._save_block(self._pool, self.state, slot, jnp.int32(i * g), jnp.int32(block))
+        snap = idx.add_snapshot(keys, r.prompt[end])
+        if snap is not None:
+            self._pool = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+
+    def prefix_cache_stats(self) -> dict | None:
+        """The prefix cache's counters (queried / hit prompt tokens, evictions, blocks and snapshots held) and its
+        pools' bytes; None when it is off."""
+        if self.prefix_cache is None:
+            return None
+        return {**self.prefix_cache.stats(), "pool_bytes": self.plan.prefix_cache,
+                "granularity": self.prefix_cache.granularity}
+
     def _admit_queued(self):
         free = [s for s, r in enumerate(self._slots) if r is None]
         new = []
@@ -395,6 +470,8 @@ class Engine:
             lo[i], hi[i] = split_seed(p.seed)
             stops[i] = stop_id_row(p, self.eos_ids)
         self.state = self._admit(self.state, *map(jnp.asarray, (slots, max_gen, temp, top_k, top_p, lo, hi, stops)))
+        if self.prefix_cache is not None:
+            self._restore_prefixes(new)
         if self.state.oracle is not None:
             cap = self.state.oracle.seq.shape[1]
             for r in new:
@@ -434,6 +511,7 @@ class Engine:
         positions = np.full((rows, chunk), -1, np.int32)
         nxt = np.zeros((rows, chunk), np.int32)
         final = np.zeros((rows,), bool)
+        ends = []
         for i, r in enumerate(group):
             start = r.prefilled
             n = min(chunk, r.prompt.size - start)
@@ -444,8 +522,13 @@ class Engine:
             nxt[i, : follow.size] = follow
             final[i] = start + n == r.prompt.size
             r.prefilled += n
+            ends.append(start + n)
         self.state, first, finished, reason = self._prefill(
             self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
+        if self.prefix_cache is not None:
+            for r, end, fin in zip(group, ends, final):
+                if not fin and end % self.prefix_cache.granularity == 0:
+                    self._publish_prefix(r, end)
         if not final.any():
             return False
         first, finished, reason = np.asarray(first), np.asarray(finished), np.asarray(reason)
@@ -609,6 +692,7 @@ class Engine:
         o.time_to_first_token = (req.first_token_time - req.arrival) if req.first_token_time else None
         o.elapsed = now - req.arrival
         o.queue_time = (req.admitted if req.admitted is not None else now) - req.arrival
+        o.num_cached_tokens = req.cached
         with self._lock:
             self._by_id.pop(req.id, None)
 

@@ -74,6 +74,7 @@ class MemoryPlan:
     slots: int
     capacity: int
     k: int
+    prefix_cache: int = 0  # the prefix cache's block and snapshot pools (jaxmtp.engine.prefix_cache)
 
     @property
     def persistent_per_slot(self) -> int:
@@ -89,7 +90,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.slots * self.per_slot
+        return self.weights + self.slots * self.per_slot + self.prefix_cache
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**20:10.2f} MiB"  # noqa: E731
@@ -97,7 +98,7 @@ class MemoryPlan:
             ("weights", self.weights), ("KV per slot", self.kv_per_slot), ("MTP KV per slot", self.mtp_kv_per_slot),
             ("GDN state per slot", self.gdn_state_per_slot), ("conv window per slot", self.conv_per_slot),
             ("verify window per slot (transient)", self.verify_window_per_slot),
-            ("logits per slot (transient)", self.logits_per_slot),
+            ("logits per slot (transient)", self.logits_per_slot), ("prefix cache pools", self.prefix_cache),
             (f"total ({self.slots} slots, {self.capacity} KV rows, k={self.k})", self.total),
         ]
         return "\n".join(f"  {name:45s}{gib(b)}" for name, b in rows)
@@ -150,8 +151,9 @@ def device_memory_bytes(device=None) -> int | None:
 
 
 def most_slots(plan: MemoryPlan, available: int, headroom: float = 0.9) -> int:
-    """The most slots of ``plan``'s context that fit in ``headroom`` of ``available`` bytes beside the weights."""
-    return max(0, int((headroom * available - plan.weights) // max(plan.per_slot, 1)))
+    """The most slots of ``plan``'s context that fit in ``headroom`` of ``available`` bytes beside the weights (and
+    the prefix cache's pools)."""
+    return max(0, int((headroom * available - plan.weights - plan.prefix_cache) // max(plan.per_slot, 1)))
 
 
 def check_fits(plan: MemoryPlan, available: int | None, headroom: float = 0.9) -> None:

@@ -1,0 +1,233 @@
+"""Prefix caching: a prompt's prefix that an earlier prompt already prefilled is copied into the slot instead of
+being run again, with the tokens of a cold run.
+
+What resuming at position P needs (P a multiple of the granularity G): every attention layer's KV rows 0..P-1 (the
+target's and the MTP layer's), each GDN layer's float32 state after token P-1 and its conv ring. The MTP layer's KV
+row P-1 depends on token P as well (its input is ``(embed(x_P), h_{P-1})``), so a snapshot is keyed by the token
+ids 0..P-1 *and* token P: a prompt that shares tokens 0..P with an earlier one resumes at P exactly, with no row to
+recompute; one that departs exactly at token P resumes at the boundary before (the only case where a block is run
+again, against vLLM's recompute of a block on every hit under MTP). A snapshot is only taken at the end of a prompt
+chunk that is not the prompt's last (prefill splits at multiples of G: ``prefill_chunk`` divides G), so it is
+always a chunk's final state: never inside a verify window, never from a rejected draft, never from a request's
+partial work (an abort keeps what its completed chunks published, which is exact).
+
+Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of the ids (SHA-256 of the previous
+block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
+eviction (a block is evictable once no snapshot holds it). Device side: the block pool ``[blocks, Hkv, G, D]`` per
+attention layer (target, then MTP) and the snapshot pool ``[snapshots, ...]`` per GDN layer, written and read by
+three fixed-shape jitted copies (:func:`save_block`, :func:`save_snapshot`, :func:`restore`), so no hit length
+compiles anything new. The copies are data-dependent on the state and the pools, so a restore always reads what
+the save it follows wrote (published entries are never read before they are filled).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmtp.layers.attention import KVCache
+from jaxmtp.layers.gated_deltanet import GDNCarry
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host index
+# ---------------------------------------------------------------------------------------------------------------
+def block_keys(tokens: np.ndarray, granularity: int, n: int | None = None) -> list[bytes]:
+    """Chained keys of the first ``n`` whole blocks of ``tokens`` (default all): key i covers tokens 0..(i+1)G-1."""
+    n = len(tokens) // granularity if n is None else n
+    keys, prev = [], b""
+    for i in range(n):
+        h = hashlib.sha256(prev)
+        h.update(np.ascontiguousarray(tokens[i * granularity : (i + 1) * granularity], np.int32).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+@dataclasses.dataclass
+class Hit:
+    """A usable snapshot: resume at ``tokens`` (a multiple of G) from snapshot ``snapshot`` over ``blocks``."""
+
+    tokens: int
+    blocks: list[int]
+    snapshot: int
+
+
+class PrefixIndex:
+    """Which blocks and snapshots the device pools hold, by key, with LRU eviction. Counters: ``queried_tokens``
+    (prompt tokens looked up), ``hit_tokens`` (tokens restored instead of prefilled), ``evictions``."""
+
+    def __init__(self, granularity: int, num_blocks: int, num_snapshots: int):
+        self.granularity = granularity
+        self.num_blocks, self.num_snapshots = num_blocks, num_snapshots
+        self._blocks: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> block id, LRU first
+        self._snaps: collections.OrderedDict[tuple, tuple[int, list[bytes]]] = collections.OrderedDict()
+        self._refs: collections.Counter = collections.Counter()  # block key -> snapshots holding it
+        self._free_blocks = list(range(num_blocks))[::-1]
+        self._free_snaps = list(range(num_snapshots))[::-1]
+        self.queried_tokens = self.hit_tokens = self.evictions = 0
+
+    def lookup(self, prompt: np.ndarray) -> Hit | None:
+        """The longest snapshot for ``prompt``: at P < len(prompt) (one token at least is left to prefill), keyed by
+        ids 0..P-1 and token P, its blocks all present. Counts the query; the caller counts the hit (:meth:`used`)."""
+        self.queried_tokens += len(prompt)
+        keys = block_keys(prompt, self.granularity, (len(prompt) - 1) // self.granularity)
+        for i in range(len(keys), 0, -1):
+            p = i * self.granularity
+            entry = self._snaps.get((keys[i - 1], int(prompt[p])))
+            if entry is None:
+                continue
+            snap, held = entry
+            if all(k in self._blocks for k in held):
+                return Hit(p, [self._blocks[k] for k in held], snap)
+        return None
+
+    def used(self, prompt: np.ndarray, hit: Hit) -> None:
+        """Mark ``hit`` (from :meth:`lookup` of ``prompt``) as used now: its entries become the most recent."""
+        self.hit_tokens += hit.tokens
+        keys = block_keys(prompt, self.granularity, hit.tokens // self.granularity)
+        for k in keys:
+            self._blocks.move_to_end(k)
+        self._snaps.move_to_end((keys[-1], int(prompt[hit.tokens])))
+
+    def missing_blocks(self, keys: list[bytes]) -> list[int]:
+        """Indices i of ``keys`` (a prompt's block keys) whose block the pool does not hold."""
+        return [i for i, k in enumerate(keys) if k not in self._blocks]
+
+    def has_snapshot(self, key: bytes, next_token: int) -> bool:
+        return (key, int(next_token)) in self._snaps
+
+    def _evict_snapshot(self) -> bool:
+        if not self._snaps:
+            return False
+        _, (snap, held) = self._snaps.popitem(last=False)
+        for k in held:
+            self._refs[k] -= 1
+        self._free_snaps.append(snap)
+        self.evictions += 1
+        return True
+
+    def _take_block(self) -> int | None:
+        while not self._free_blocks:
+            victim = next((k for k in self._blocks if self._refs[k] <= 0), None)
+            if victim is None:
+                if not self._evict_snapshot():
+                    return None
+                continue
+            self._free_blocks.append(self._blocks.pop(victim))
+            self._refs.pop(victim, None)
+            self.evictions += 1
+        return self._free_blocks.pop()
+
+    def add_block(self, key: bytes) -> int | None:
+        """A block id to hold the block ``key`` (evicting least recently used entries), or None when every block is
+        held by a snapshot that cannot go (the pool is too small). The caller fills it before publishing a
+        snapshot over it."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return self._blocks[key]
+        block = self._take_block()
+        if block is not None:
+            self._blocks[key] = block
+        return block
+
+    def add_snapshot(self, keys: list[bytes], next_token: int) -> int | None:
+        """A snapshot id for the boundary after ``keys`` (all present: :meth:`missing_blocks` is empty) with token
+        ``next_token`` at it, or None if the pool has no room (its blocks are then held, not evicted)."""
+        if not self._free_snaps and not self._evict_snapshot():
+            return None
+        if any(k not in self._blocks for k in keys):  # an eviction above took one of them
+            return None
+        snap = self._free_snaps.pop()
+        self._snaps[(keys[-1], int(next_token))] = (snap, list(keys))
+        for k in keys:
+            self._refs[k] += 1
+            self._blocks.move_to_end(k)
+        return snap
+
+    def stats(self) -> dict:
+        return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "evictions": self.evictions,
+                "blocks": len(self._blocks), "snapshots": len(self._snaps)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device pools and copies
+# ---------------------------------------------------------------------------------------------------------------
+def _kv_layers(state) -> list[KVCache]:
+    return [c for c in state.carry if isinstance(c, KVCache)] + list(state.mtp_carry)
+
+
+def _gdn_layers(state) -> list[GDNCarry]:
+    return [c for c in state.carry if isinstance(c, GDNCarry)]
+
+
+def init_pool(state, granularity: int, num_blocks: int, num_snapshots: int) -> dict:
+    """Empty pools shaped after ``state``'s carries: ``{"kv": [(k, v) [blocks, Hkv, G, D] per attention layer],
+    "gdn": [(conv [snapshots, K, C], state [snapshots, Hv, dk, dv]) per GDN layer]}``."""
+    kv = [tuple(jnp.zeros((num_blocks, a.shape[1], granularity, a.shape[3]), a.dtype) for a in (c.k, c.v))
+          for c in _kv_layers(state)]
+    gdn = [(jnp.zeros((num_snapshots,) + c.conv.shape[1:], c.conv.dtype),
+            jnp.zeros((num_snapshots,) + c.state.shape[1:], c.state.dtype)) for c in _gdn_layers(state)]
+    return {"kv": kv, "gdn": gdn}
+
+
+def pool_bytes_per_entry(state, granularity: int) -> tuple[int, int]:
+    """Bytes of one block and of one snapshot for ``state``'s carries."""
+    block = sum(2 * a.shape[1] * granularity * a.shape[3] * a.dtype.itemsize
+                for a in (c.k for c in _kv_layers(state)))
+    snap = sum(np.prod(a.shape[1:]) * a.dtype.itemsize for c in _gdn_layers(state) for a in (c.conv, c.state))
+    return int(block), int(snap)
+
+
+def _rows(cache, slot, start, g):
+    """``cache [B, H, S, D]``'s rows ``[start, start + g)`` of ``slot``: [H, g, D]."""
+    return jax.lax.dynamic_slice(cache, (slot, 0, start, 0), (1, cache.shape[1], g, cache.shape[3]))[0]
+
+
+def save_block(pool: dict, state, slot, start, block):
+    """Copy KV rows ``[start, start + G)`` of ``slot`` (every attention layer) into pool block ``block``."""
+    kv = []
+    for (pk, pv), c in zip(pool["kv"], _kv_layers(state)):
+        kv.append(tuple(p.at[block].set(_rows(a, slot, start, p.shape[2])) for p, a in ((pk, c.k), (pv, c.v))))
+    return {"kv": kv, "gdn": pool["gdn"]}
+
+
+def save_snapshot(pool: dict, state, slot, snap):
+    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap``."""
+    gdn = [(pc.at[snap].set(c.conv[slot]), ps.at[snap].set(c.state[slot]))
+           for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state))]
+    return {"kv": pool["kv"], "gdn": gdn}
+
+
+def restore(state, pool: dict, slot, blocks, n_blocks, snap):
+    """``state`` with ``slot``'s KV rows ``[i G, (i + 1) G)`` set from pool block ``blocks[i]`` for i < ``n_blocks``
+    (``blocks [max_blocks]`` int32, fixed length: one compiled copy for every hit length) and its GDN carries from
+    snapshot ``snap``."""
+    kv = [(c.k, c.v) for c in _kv_layers(state)]
+    if kv:
+        def body(i, caches):
+            def put(cache, pooled):
+                at = (slot, 0, i * pooled.shape[2], 0)
+                return jax.lax.dynamic_update_slice(cache, pooled[blocks[i]][None], at)
+            return [(put(ck, pk), put(cv, pv)) for (pk, pv), (ck, cv) in zip(pool["kv"], caches)]
+
+        kv = jax.lax.fori_loop(0, n_blocks, body, kv)
+    kv_it, snaps = iter(kv), iter(pool["gdn"])
+
+    def layer(c):
+        if isinstance(c, GDNCarry):
+            pc, ps = next(snaps)
+            return GDNCarry(c.conv.at[slot].set(pc[snap]), c.state.at[slot].set(ps[snap]))
+        return KVCache(*next(kv_it))
+
+    carry = tuple(layer(c) for c in state.carry)
+    return state.replace(carry=carry, mtp_carry=tuple(KVCache(*next(kv_it)) for _ in state.mtp_carry))
+
+
+__all__ = ["Hit", "PrefixIndex", "block_keys", "init_pool", "pool_bytes_per_entry", "restore", "save_block",
+           "save_snapshot"]

@@ -1,0 +1,158 @@
+"""Prefix caching (jaxmtp.engine.prefix_cache), float32, exact: a request resumed from a cached prefix emits the
+tokens of the same request on an engine without the cache, and drafts accepted alike (the MTP rows restored
+exactly: tokens alone would not show a wrong one), greedy and seeded sampling, k = 0..4, dense / MoE / Qwen3-Next,
+at and around the granularity's boundaries; a prompt that departs from the cached one exactly at a
+boundary token resumes one block earlier (the MTP layer's row there depends on that token); eviction under a small
+pool, aborted requests and concurrent sharers stay exact; the pools are in the memory plan; bad settings are
+refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmtp
+from jaxmtp.engine import Engine, EngineConfigError
+from jaxmtp.engine.prefix_cache import PrefixIndex, block_keys
+from jaxmtp.sampling import SamplingParams
+
+G = 16  # granularity (= the prefill chunk here, so short prompts cross several boundaries)
+
+
+def _engine(model, k, cache_bytes=1 << 24, slots=2):
+    return Engine(model, num_slots=slots, max_context=160, num_draft_tokens=k, prefill_chunk=G, steps_per_sync=4,
+                  prefix_cache_memory=cache_bytes, prefix_cache_granularity=G)
+
+
+def _run(eng, prompts, params, drafts=None):
+    """Every prompt through ``eng`` at once: (tokens per prompt, cached prompt tokens per prompt); ``drafts`` (a
+    list) receives each request's accepted drafts per position (the MTP drafts' record: equal only if the restored
+    MTP rows are)."""
+    rids = [eng.add_request(p, s) for p, s in zip(prompts, params)]
+    out, cached, accepted = {r: [] for r in rids}, {}, {}
+    while eng.has_work():
+        for o in eng.step():
+            out[o.request_id] += o.token_ids
+            if o.finished:
+                cached[o.request_id] = o.num_cached_tokens
+                accepted[o.request_id] = (o.stats.steps, list(o.stats.accepted_per_position))
+    if drafts is not None:
+        drafts.extend(accepted[r] for r in rids)
+    return [out[r] for r in rids], [cached[r] for r in rids]
+
+
+def _kv_rows(eng, rows):
+    """Slot 0's KV rows ``[0, rows)`` of every attention layer, target then MTP (host arrays)."""
+    caches = [c for c in eng.state.carry if hasattr(c, "k")] + list(eng.state.mtp_carry)
+    return [np.asarray(a[0, :, :rows]) for c in caches for a in (c.k, c.v)]
+
+
+def _params(n):
+    return [SamplingParams(max_new_tokens=10, ignore_eos=True),
+            SamplingParams(max_new_tokens=9, temperature=0.9, seed=7, ignore_eos=True),
+            SamplingParams(max_new_tokens=8, temperature=1.1, top_k=20, top_p=0.9, seed=3, ignore_eos=True)][:n]
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_factory):
+    return {kind: jaxmtp.load(checkpoint_factory(kind)[0], dtype="float32", backend="xla", progress=False)
+            for kind in ("dense", "moe", "next")}
+
+
+@pytest.mark.parametrize("kind,k", [("dense", 0), ("dense", 1), ("dense", 3), ("moe", 2), ("next", 4),
+                                    pytest.param("dense", 2, marks=pytest.mark.slow),
+                                    pytest.param("dense", 4, marks=pytest.mark.slow),
+                                    pytest.param("moe", 0, marks=pytest.mark.slow),
+                                    pytest.param("next", 3, marks=pytest.mark.slow)])
+def test_a_hit_gives_the_tokens_of_a_cold_cache(models, kind, k, rng):
+    model = models[kind]
+    vocab = model.config.vocab_size - 2
+    base = rng.integers(0, vocab, 3 * G + 5).tolist()
+    # a shared prefix at, before and after boundaries; the whole prompt again; a departure exactly at token 2G
+    prompts = [base + rng.integers(0, vocab, 7).tolist(),            # shares 3G + 5: resumes at 3G
+               base[: 2 * G + 1] + rng.integers(0, vocab, 20).tolist(),  # shares 2G + 1: resumes at 2G
+               base,                                                 # the cached prompt itself: resumes at 3G
+               base[: 2 * G] + [(base[2 * G] + 1) % vocab] + base[2 * G + 1 :],  # departs at token 2G: resumes at G
+               base[: G - 1] + rng.integers(0, vocab, 10).tolist()]  # shares less than a block: no hit
+    want_cached = [3 * G, 2 * G, 3 * G, G, 0]
+    warm = _engine(model, k)
+    _run(warm, [base], _params(1))  # publishes the boundaries G, 2G and 3G of the base prompt
+    for i, prompt in enumerate(prompts):
+        params = _params(3)[i % 3 : i % 3 + 1]
+        cold_drafts, hit_drafts = [], []
+        cold = _engine(model, k, cache_bytes=0)
+        want, _ = _run(cold, [prompt], params, cold_drafts)
+        got, cached = _run(warm, [prompt], params, hit_drafts)
+        assert got == want and hit_drafts == cold_drafts, (i, cached, hit_drafts, cold_drafts)
+        # the prompt's KV rows, the target's and the MTP layer's (row P - 1 reads token P), as a cold prefill left them
+        rows = len(prompt)
+        for a, b in zip(_kv_rows(warm, rows), _kv_rows(cold, rows)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"prompt {i}, cached {cached}")
+        assert cached[0] >= want_cached[i], (i, cached)  # later prompts may hit boundaries earlier ones added
+    stats = warm.prefix_cache_stats()
+    assert stats["hit_tokens"] >= sum(want_cached) and stats["evictions"] == 0, stats
+
+
+def test_concurrent_sharers_a_small_pool_and_aborts_stay_exact(models, rng):
+    """Three requests sharing a prefix admitted together (none can hit the others' blocks yet), then more in a pool
+    of two entries (evictions), with a request aborted mid-prefill in between: each output equals the cold one."""
+    model = models["dense"]
+    vocab = model.config.vocab_size - 2
+    shared = rng.integers(0, vocab, 2 * G + 3).tolist()
+    prompts = [shared + rng.integers(0, vocab, n).tolist() for n in (4, 9, 17)]
+    cold = [_run(_engine(model, 3, cache_bytes=0), [p], _params(2)[i % 2 : i % 2 + 1])[0][0]
+            for i, p in enumerate(prompts)]
+    block = _engine(model, 3).prefix_cache  # the sizes of one entry, from a roomy engine
+    entry = _engine(model, 3).plan.prefix_cache // block.num_blocks
+    eng = _engine(model, 3, cache_bytes=2 * entry, slots=4)
+    assert eng.prefix_cache.num_blocks == 2
+    got, _ = _run(eng, prompts, [_params(2)[i % 2] for i in range(3)])
+    assert got == cold
+    aborted = eng.add_request(rng.integers(0, vocab, 5 * G).tolist(), _params(1)[0])
+    eng.step()  # its first chunk (and maybe a boundary) only
+    assert eng.abort(aborted)
+    while eng.has_work():
+        eng.step()
+    for i, p in enumerate(prompts):
+        got, cached = _run(eng, [p], _params(2)[i % 2 : i % 2 + 1])
+        assert got[0] == cold[i], (i, cached)
+    assert eng.prefix_cache_stats()["evictions"] > 0
+
+
+def test_the_pools_are_planned_and_allocated(models):
+    eng = _engine(models["dense"], 3, cache_bytes=3 << 20)
+    allocated = sum(a.nbytes for a in jax.tree_util.tree_leaves(eng._pool))
+    assert eng.plan.prefix_cache == allocated and 0 < allocated <= 3 << 20
+    assert "prefix cache pools" in eng.plan.table()
+
+
+def test_bad_settings_are_refused(models):
+    m = models["dense"]
+    with pytest.raises(EngineConfigError, match="power of two >= prefill_chunk"):
+        Engine(m, num_slots=1, max_context=64, prefill_chunk=32, prefix_cache_memory=1 << 20,
+               prefix_cache_granularity=16)
+    with pytest.raises(EngineConfigError, match="holds no entry"):
+        Engine(m, num_slots=1, max_context=64, prefill_chunk=16, prefix_cache_memory=100,
+               prefix_cache_granularity=16)
+
+
+def test_the_index_keys_by_ids_and_the_boundary_token_and_evicts_least_recent_first():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 50, 40)
+    idx = PrefixIndex(8, num_blocks=4, num_snapshots=4)
+    keys = block_keys(a, 8)
+    assert len(keys) == 5 and keys == block_keys(a[:40], 8) and block_keys(a[:16], 8) == keys[:2]
+    for i in range(2):
+        assert idx.add_block(keys[i]) is not None
+    snap = idx.add_snapshot(keys[:2], a[16])
+    hit = idx.lookup(a)
+    assert hit.tokens == 16 and hit.snapshot == snap and len(hit.blocks) == 2
+    b = a.copy()
+    b[16] += 1  # same ids 0..15, another token at the boundary: no snapshot for it
+    assert idx.lookup(b) is None
+    assert idx.lookup(a[:16]) is None  # at least one token must be left to prefill
+    for i in range(2, 4):  # the pool fills; a fifth block evicts the snapshot's blocks only once it goes
+        idx.add_block(keys[i])
+    assert idx.add_block(keys[4]) is not None and idx.lookup(a).tokens == 16
+    assert idx.evictions == 1
