@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int, default=256, help="largest prompt chunk per prefill call")
     g.add_argument("--steps-per-sync", type=int, default=8, help="speculative steps per device loop")
     g.add_argument("--max-prefill-batch", type=int, default=None, help="prompts prefilled together")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching",
+                   action="store_false", help="turn the prefix cache off (default on: a prompt that begins with an "
+                   "earlier prompt's prefix resumes after it, same tokens; docs/engine.md, \"Prefix caching\")")
+    g.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--prefix-cache-memory", type=_bytes_or_auto, default="auto", metavar="BYTES",
+                   help="device memory for the prefix cache, e.g. 2GiB or 500MB (default auto: half what the memory "
+                        "plan leaves free, at most every slot's whole context)")
+    g.add_argument("--prefix-cache-granularity", type=int, default=None, metavar="TOKENS",
+                   help="tokens per cached block, a power of two >= --prefill-chunk (default max(256, chunk))")
     g.add_argument("--no-slot-buckets", dest="slot_buckets", action="store_false",
                    help="always step every slot (default: the smallest power-of-two prefix of slots holding every "
                         "busy one; warm-up compiles one step per prefix size)")
@@ -111,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _bytes_or_auto(text: str):
+    """``"auto"``, or a byte count with an optional unit (``2GiB``, ``500MB``, ``1048576``)."""
+    import re
+
+    if text.strip().lower() == "auto":
+        return "auto"
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m[2].lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 2GiB, 500MB, 1048576) or 'auto'")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
 def _config_from_args(args):
     from jaxmtp.serving.server import ServerConfig
 
@@ -118,6 +142,8 @@ def _config_from_args(args):
         host=args.host, port=args.port, num_slots=args.slots, max_context=args.max_context,
         num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, steps_per_sync=args.steps_per_sync,
         max_prefill_batch=args.max_prefill_batch, slot_buckets=args.slot_buckets, max_queue=args.max_queue,
+        prefix_cache_memory=args.prefix_cache_memory if args.prefix_caching else 0,
+        prefix_cache_granularity=args.prefix_cache_granularity,
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens_limit=args.max_new_tokens_limit, default_max_tokens=args.default_max_tokens,
         max_message_bytes=args.max_message_bytes, max_request_seconds=args.max_request_seconds,
@@ -171,6 +197,12 @@ async def serve(args) -> int:
              "time %s, drain grace %.1f s", config.max_queue, server.max_prompt_tokens, server.max_new_tokens_limit,
              server.default_max_tokens, config.max_message_bytes,
              f"<= {config.max_request_seconds} s" if config.max_request_seconds else "unlimited", config.drain_grace)
+    if e.prefix_cache is not None:
+        pc = e.prefix_cache
+        log.info("prefix cache: %d blocks of %d tokens, %d snapshots, %.1f MiB", pc.num_blocks, pc.granularity,
+                 pc.num_snapshots, e.plan.prefix_cache / 2**20)
+    else:
+        log.info("prefix cache: off")
     log.info("memory plan:\n%s", e.plan.table())
     from jaxmtp.engine.memory import device_memory_bytes, most_slots
 

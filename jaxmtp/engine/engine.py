@@ -137,12 +137,18 @@ class Engine:
             slot, each prefix compiled once (``warmup`` compiles them all); False: always all slots.
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.steps.Oracle` drafts with this
             distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
+        prefix_cache_memory: bytes of device memory for the prefix cache (:mod:`jaxmtp.engine.prefix_cache`), half
+            for KV blocks and half for GDN snapshots; ``"auto"``: half what the memory plan leaves free, at most every
+            slot's whole context; 0 (default): off. A request whose prompt begins with an earlier prompt's prefix
+            resumes after it with the same tokens (``RequestOutput.num_cached_tokens``).
+        prefix_cache_granularity: G, the cached prefixes' unit in tokens (a power of two >= ``prefill_chunk``;
+            default max(256, ``prefill_chunk``)).
     """
 
     def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
                  num_draft_tokens: int | None = None, prefill_chunk: int = 256, steps_per_sync: int = 8,
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None,
-                 slot_buckets: bool = True, prefix_cache_memory: int = 0, prefix_cache_granularity: int = 256):
+                 slot_buckets: bool = True, prefix_cache_memory=0, prefix_cache_granularity: int | None = None):
         cfg = model.config
         if num_draft_tokens is None:
             num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
@@ -183,7 +189,8 @@ class Engine:
         self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
         self.prefix_cache = self._pool = None
         if prefix_cache_memory:
-            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity, layout)
+            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or max(256, prefill_chunk), layout,
+                                    device_memory_bytes() if check_memory else None)
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
@@ -198,7 +205,7 @@ class Engine:
             state_out = jax.tree.map(layout.sharding, specs)
             self.state = jax.jit(lambda: init(cfg=layout.state_config()), out_shardings=state_out)()
         if self.prefix_cache is not None:
-            g, idx = prefix_cache_granularity, self.prefix_cache
+            g, idx = self.prefix_cache.granularity, self.prefix_cache
             self._pool = _prefix.init_pool(self.state, g, idx.num_blocks, idx.num_snapshots)
             self._save_block = jax.jit(_prefix.save_block, donate_argnums=0)
             self._save_snapshot = jax.jit(_prefix.save_snapshot, donate_argnums=0)
@@ -378,10 +385,15 @@ class Engine:
             self._slots[s] = None
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
-    def _plan_prefix_cache(self, memory: int, granularity: int, layout) -> None:
-        """Size the prefix cache's pools to ``memory`` bytes (blocks and snapshots in equal numbers) and add them to
-        the memory plan; refuse settings it cannot honour (EngineConfigError)."""
+    def _plan_prefix_cache(self, memory, granularity: int, layout, available: int | None) -> None:
+        """Size the prefix cache's pools to ``memory`` bytes, half for KV blocks and half for GDN snapshots, and add
+        them to the memory plan; refuse settings it cannot honour (EngineConfigError). ``"auto"``: half the memory
+        the plan leaves within the 90% headroom of ``available`` bytes, at most what every slot's whole context
+        takes (a block and a snapshot per G tokens), nothing (the cache off) under tensor or data parallelism."""
+        auto = memory == "auto"
         if layout is not None:
+            if auto:
+                return
             raise EngineConfigError("prefix caching with tensor or data parallelism is not supported yet")
         if granularity < self.prefill_chunk or granularity & (granularity - 1):
             raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= prefill_chunk "
@@ -389,12 +401,19 @@ class Engine:
         capacity = self.max_context + self.k
         shapes = jax.eval_shape(lambda: steps.init_state(self.cfg, 1, capacity, self.k, self.model.dtype))
         block, snap = _prefix.pool_bytes_per_entry(shapes, granularity)
-        n = int(memory) // (block + snap)
-        if n < 1:
-            raise EngineConfigError(f"prefix_cache_memory={memory} bytes holds no entry: one block of {granularity} "
-                                    f"tokens and one snapshot take {block + snap} bytes")
-        self.prefix_cache = _prefix.PrefixIndex(granularity, n, n)
-        self.plan = dataclasses.replace(self.plan, prefix_cache=n * (block + snap))
+        if auto:
+            most = self.num_slots * (capacity // granularity)  # a block and a snapshot per G tokens of every slot
+            half = max(0, int(0.9 * available) - self.plan.total) // 2 if available else most * (block + snap)
+            n_blocks, n_snaps = min(most, half // block), min(most, half // snap)
+        else:
+            n_blocks, n_snaps = int(memory) // 2 // block, int(memory) // 2 // snap
+        if min(n_blocks, n_snaps) < 1:
+            if auto:
+                return
+            raise EngineConfigError(f"prefix_cache_memory={memory} bytes holds no entry: half of it must hold a "
+                                    f"block of {granularity} tokens ({block} bytes), half a snapshot ({snap} bytes)")
+        self.prefix_cache = _prefix.PrefixIndex(granularity, n_blocks, n_snaps)
+        self.plan = dataclasses.replace(self.plan, prefix_cache=n_blocks * block + n_snaps * snap)
 
     def _restore_prefixes(self, new) -> None:
         """Resume each newly admitted request at its longest cached prefix (the slot's KV rows and GDN carries

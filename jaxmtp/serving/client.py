@@ -66,6 +66,7 @@ class Completion:
     spec: dict
     time_to_first_token: float  # server-side, seconds
     elapsed: float  # server-side, seconds
+    cached_prompt_tokens: int = 0  # prompt tokens the server's prefix cache restored instead of prefilling
 
 
 def spec_dict(spec) -> dict:
@@ -148,7 +149,8 @@ class Stream:
                         request_id=self.request_id, text="".join(self._text), token_ids=list(self._ids),
                         finish_reason=pb.finish_reason_name(c.finish_reason), prompt_tokens=c.usage.prompt_tokens,
                         completion_tokens=c.usage.completion_tokens, seed=c.seed, spec=spec,
-                        time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s)
+                        time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s,
+                        cached_prompt_tokens=c.usage.cached_prompt_tokens)
                 elif kind == "error":
                     raise GenerationError(grpc.StatusCode(_code_tuple(msg.error.code)), msg.error.message,
                                           self.request_id)

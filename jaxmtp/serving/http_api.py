@@ -602,6 +602,7 @@ class _Job:
         self.text: list[str] = []
         self.parts: list[Part] = []
         self.n_out = 0
+        self.n_cached = 0  # prompt tokens the prefix cache restored (known when the request finishes)
         self.finish_reason: str | None = None
 
     async def parse(self, req, max_tokens: int | None) -> None:
@@ -679,6 +680,7 @@ class _Job:
             if final is not None:
                 self.finished = True
                 o = final.output
+                self.n_cached = o.num_cached_tokens
                 if o.finish_reason == "abort" and final.abort_reason == ABORT_SHUTDOWN:
                     self.failure = ApiError(503, "the server shut down before the request finished")
                 elif o.finish_reason == "abort" and final.abort_reason == ABORT_DEADLINE:
@@ -689,7 +691,8 @@ class _Job:
 
     def _usage(self) -> dict:
         n_prompt = len(self.ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": self.n_out, "total_tokens": n_prompt + self.n_out}
+        return {"prompt_tokens": n_prompt, "completion_tokens": self.n_out, "total_tokens": n_prompt + self.n_out,
+                "prompt_tokens_details": {"cached_tokens": self.n_cached}}
 
     def _chat_finish_reason(self) -> str:
         if self.finish_reason == "stop" and self.parser is not None and self.parser.tool_calls:

@@ -12,6 +12,8 @@ They cover every request the scheduler runs, whichever protocol brought it (gRPC
   all accepted), ``jaxmtp_engine_iterations_total``;
 * gauges: ``jaxmtp_num_requests_running`` (busy slots), ``jaxmtp_num_requests_waiting`` (queue depth),
   ``jaxmtp_num_slots``, ``jaxmtp_spec_decode_acceptance_rate_per_pos{position}``, ``jaxmtp_server_ready``;
+* with the prefix cache on: ``jaxmtp_prefix_cache_queries_total`` and ``..._hits_total`` (prompt tokens looked up
+  and restored), ``jaxmtp_prefix_cache_evictions_total``, ``jaxmtp_prefix_cache_bytes``;
 * histograms observed as each request ends (:attr:`Scheduler.on_finish`), timed on the engine thread from submission:
   ``jaxmtp_time_to_first_token_seconds``, ``jaxmtp_time_per_output_token_seconds`` ((end - first token) /
   (tokens - 1)), ``jaxmtp_e2e_request_latency_seconds``, ``jaxmtp_request_prompt_tokens``,
@@ -95,6 +97,13 @@ class _SchedulerCollector:
         yield gauge("jaxmtp_num_slots", "Engine slots", srv.engine.num_slots)
         yield gauge("jaxmtp_server_ready", "1 when warmed up and accepting requests",
                     1.0 if srv.ready and not srv.draining and srv.scheduler.failure is None else 0.0)
+        pc = srv.engine.prefix_cache_stats()
+        if pc is not None:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+            yield counter("jaxmtp_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                          pc["queried_tokens"])
+            yield counter("jaxmtp_prefix_cache_hits", "Prompt tokens restored from the prefix cache", pc["hit_tokens"])
+            yield counter("jaxmtp_prefix_cache_evictions", "Prefix-cache blocks and snapshots evicted", pc["evictions"])
+            yield gauge("jaxmtp_prefix_cache_bytes", "Device memory of the prefix cache's pools", pc["pool_bytes"])
 
 
 class ServerMetrics:

@@ -58,6 +58,7 @@ ModelInfo = _message_class("jaxmtp.v1.ModelInfo")
 CompiledExecutable = _message_class("jaxmtp.v1.CompiledExecutable")
 GetServerStatsRequest = _message_class("jaxmtp.v1.GetServerStatsRequest")
 ServerStats = _message_class("jaxmtp.v1.ServerStats")
+PrefixCacheStats = _message_class("jaxmtp.v1.PrefixCacheStats")
 HealthCheckRequest = _message_class("grpc.health.v1.HealthCheckRequest")
 HealthCheckResponse = _message_class("grpc.health.v1.HealthCheckResponse")
 
@@ -258,7 +259,7 @@ __all__ = [
     "GenerateRequest", "GenerateResponse", "GenerationStub", "GetModelInfoRequest", "GetServerStatsRequest",
     "HEALTH_SERVICE", "HealthCheckRequest", "HealthCheckResponse", "HealthStub", "METHODS", "MalformedRequest",
     "ModelInfo",
-    "NOT_SERVING", "POOL", "SERVICE_UNKNOWN", "SERVING", "SamplingParams", "ServerStats", "SpecStats", "TokenIds",
+    "NOT_SERVING", "POOL", "PrefixCacheStats", "SERVICE_UNKNOWN", "SERVING", "SamplingParams", "ServerStats", "SpecStats", "TokenIds",
     "UNKNOWN", "Usage", "finish_reason_name", "finish_reason_value", "generic_handler", "health_status_name",
     "method_path", "to_dict",
 ]

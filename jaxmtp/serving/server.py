@@ -81,6 +81,8 @@ class ServerConfig:
     drain_grace: float = 30.0
     served_model_name: str | None = None
     background_compile: bool = True  # compile only what serves every request before SERVING, the rest after
+    prefix_cache_memory: int | str = "auto"  # bytes for the prefix cache (jaxmtp.Engine), "auto", or 0: off
+    prefix_cache_granularity: int | None = None  # tokens per cached block (default max(256, prefill_chunk))
     progress: bool = False  # warm-up progress bar on stderr
     api_key: str | None = None  # required as metadata "authorization: Bearer <key>" (health calls exempt)
     ssl_certfile: str | None = None  # TLS: PEM certificate chain and private key (both or neither)
@@ -234,7 +236,8 @@ class GenerationServer:
         self.engine = Engine(model, num_slots=cfg.num_slots, max_context=cfg.max_context,
                              num_draft_tokens=cfg.num_draft_tokens, prefill_chunk=cfg.prefill_chunk,
                              steps_per_sync=cfg.steps_per_sync, max_prefill_batch=cfg.max_prefill_batch,
-                             slot_buckets=cfg.slot_buckets)
+                             slot_buckets=cfg.slot_buckets, prefix_cache_memory=cfg.prefix_cache_memory,
+                             prefix_cache_granularity=cfg.prefix_cache_granularity)
         mc = self.engine.max_context
         self.max_prompt_tokens = min(cfg.max_prompt_tokens or mc - 1, mc - 1)
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or mc
@@ -568,13 +571,14 @@ class GenerationServer:
             now = time.perf_counter()
             await context.write(pb.GenerateResponse(request_id=rid, complete=pb.Complete(
                 finish_reason=pb.finish_reason_value(o.finish_reason),
-                usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out),
+                usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                               cached_prompt_tokens=o.num_cached_tokens),
                 spec=_spec_pb(o.stats, self.engine.k), seed=params.seed,
                 time_to_first_token_s=(first - arrival) if first is not None else 0.0,
                 elapsed_s=now - arrival)))
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s finished (%s): %d prompt + %d new tokens, %.3f s", rid, o.finish_reason, n_prompt,
-                          n_out, now - arrival)
+                log.debug("%s finished (%s): %d prompt (%d cached) + %d new tokens, %.3f s", rid, o.finish_reason,
+                          n_prompt, o.num_cached_tokens, n_out, now - arrival)
             return
 
     async def _fail(self, context, rid, code: grpc.StatusCode, message: str, n_prompt: int, n_out: int):
@@ -629,7 +633,13 @@ class GenerationServer:
             prompt_tokens_total=s["prompt_tokens_total"], generated_tokens_total=s["generated_tokens_total"],
             engine_iterations=s["engine_iterations"], engine_steps=s["engine_steps"],
             spec=_spec_pb(s["spec"], self.engine.k), num_slots=self.engine.num_slots,
-            max_queue=self.config.max_queue)
+            max_queue=self.config.max_queue, prefix_cache=self._prefix_cache_pb())
+
+    def _prefix_cache_pb(self):
+        """The engine's prefix-cache counters (read while the engine thread may add to them: plain ints), or None."""
+        st = self.engine.prefix_cache_stats()
+        return None if st is None else pb.PrefixCacheStats(**{f: st[f] for f in (
+            "queried_tokens", "hit_tokens", "evictions", "blocks", "snapshots", "pool_bytes", "granularity")})
 
     async def _stats(self, request, context):
         return self.stats()
