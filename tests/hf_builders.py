@@ -270,8 +270,6 @@ def write_fp8_checkpoint(src: str, dst: str, twin: str | None = None, *, scale_d
     FP8 weights."""
     import shutil
 
-    import ml_dtypes
-
     from jaxmtp.quantize import quantize_fp8_blocks
 
     rng = np.random.default_rng(seed)

@@ -281,7 +281,7 @@ def test_the_default_model_in_fp8_keeps_its_acceptance_length():
     assert al["fp8"] > 2.5, al  # 3.4 with either; drafts that were never accepted would give 1.0
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
+@pytest.mark.parametrize("which", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_the_fp8_kernels_run_the_model_as_the_reference_does(which, dense_dirs, moe_dirs, rng):
     """The whole model with the FP8 products and experts on the GPU kernels (run by the Pallas interpreter): logits
     and drafts of a prefill-sized and a decode-sized batch equal the reference path's (float32, 1e-5)."""

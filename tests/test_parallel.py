@@ -134,7 +134,8 @@ def test_logits_and_drafts_match_one_device_at_tp_2_4_8(wide, kind, rng):
             _close(g, w, f"{what} tp={tp} {reduce}")
 
 
-@pytest.mark.parametrize("kind,tp,k", [("dense", 4, 3), ("moe", 2, 2), ("next", 8, 1), ("dense", 2, 0)])
+@pytest.mark.parametrize("kind,tp,k", [("dense", 4, 3), ("moe", 2, 2), ("dense", 2, 0),
+                                       pytest.param("next", 8, 1, marks=pytest.mark.slow)])
 def test_engine_matches_one_device(wide, kind, tp, k, rng):
     """Greedy and seeded requests (top-k / top-p on one) batched together: the sharded engine emits the same
     tokens as one device, and its committed GDN states, conv rings and KV caches (target and MTP, gathered back to
@@ -274,7 +275,7 @@ def _kernel_config(moe: bool):
                         mtp_num_hidden_layers=1, **extra)
 
 
-@pytest.mark.parametrize("kind,moe", [("triton_interpret", False),
+@pytest.mark.parametrize("kind,moe", [pytest.param("triton_interpret", False, marks=pytest.mark.slow),
                                       pytest.param("triton_interpret", True, marks=pytest.mark.slow),
                                       pytest.param("mosaic_tpu_interpret", True, marks=pytest.mark.slow)])
 def test_pallas_kernels_run_inside_the_shard_map(kind, moe, rng):
@@ -349,7 +350,7 @@ def test_sharded_params_are_not_exported_as_a_checkpoint(wide):
         hf_tensors(m.params, m.config)
 
 
-@pytest.mark.parametrize("kind,tp,k", [("dense", 2, 3), ("moe", 1, 2)])
+@pytest.mark.parametrize("kind,tp,k", [("dense", 2, 3), pytest.param("moe", 1, 2, marks=pytest.mark.slow)])
 def test_data_parallel_replicas_match_one_device(wide, kind, tp, k, rng):
     """DP 2 (x TP 2, and x TP 1): each replica holds half the slots; greedy and seeded requests spread over both
     emit one device's tokens, and the carries (slot i of the global state on replica i // (slots / 2)) agree."""
