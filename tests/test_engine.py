@@ -60,7 +60,8 @@ def mixed_prompts(rng, lengths=(3, 21, 37, 16)):
     return [rng.integers(0, EOS, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", pytest.param("next", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow),
+                                  pytest.param("next", marks=pytest.mark.slow)])
 def test_greedy_speculative_equals_plain_for_every_k(engines, rng, kind):
     """k = 1..4 with the real MTP head give exactly the k = 0 tokens; prompts cross 16-token prefill chunks."""
     prompts = mixed_prompts(rng)

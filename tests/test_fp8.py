@@ -319,8 +319,9 @@ def aligned_dirs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_fp8_tensor_parallel_matches_one_device(kind, aligned_dirs, rng):
     """TP 2 over FP8 weights (sliced on their 128-wide scale blocks, experts per rank) gives the one-device logits
     and drafts (float32, 1e-5) and the same greedy and seeded tokens with k = 3."""

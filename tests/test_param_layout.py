@@ -234,6 +234,7 @@ def test_int4_product_kernel_matches_float64(rng, m, k, n):
         assert err < 1e-6, (impl, err)
 
 
+@pytest.mark.slow
 def test_int4_draft_head_stays_within_its_error_bound(rng, monkeypatch):
     cfg = _config(False).replace(hidden_size=128)  # int4 packs K in blocks of 128
     native = init_params(cfg, jax.random.key(5), jnp.float32, scale=0.1)

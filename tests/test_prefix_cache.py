@@ -60,7 +60,7 @@ def models(checkpoint_factory):
             for kind in ("dense", "moe", "next")}
 
 
-@pytest.mark.parametrize("kind,k", [("dense", 0), ("dense", 3), ("next", 4),
+@pytest.mark.parametrize("kind,k", [("dense", 3), ("next", 4), pytest.param("dense", 0, marks=pytest.mark.slow),
                                     pytest.param("dense", 1, marks=pytest.mark.slow),
                                     pytest.param("moe", 2, marks=pytest.mark.slow),
                                     pytest.param("dense", 2, marks=pytest.mark.slow),
@@ -96,6 +96,7 @@ def test_a_hit_gives_the_tokens_of_a_cold_cache(models, kind, k, rng):
     assert stats["hit_tokens"] >= sum(want_cached) and stats["evictions"] == 0, stats
 
 
+@pytest.mark.slow
 def test_concurrent_sharers_a_small_pool_and_aborts_stay_exact(models, rng):
     """Three requests sharing a prefix admitted together (none can hit the others' blocks yet), then more in a pool
     of two entries (evictions), with a request aborted mid-prefill in between: each output equals the cold one."""

@@ -207,8 +207,12 @@ class Engine:
         if self.prefix_cache is not None:
             g, idx = self.prefix_cache.granularity, self.prefix_cache
             self._pool = _prefix.init_pool(self.state, g, idx.num_blocks, idx.num_snapshots)
-            self._save_block = jax.jit(_prefix.save_block, donate_argnums=0)
-            self._save_snapshot = jax.jit(_prefix.save_snapshot, donate_argnums=0)
+
+            def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
+                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1))
+
+            self._save_block = passing_state(_prefix.save_block)
+            self._save_snapshot = passing_state(_prefix.save_snapshot)
             self._restore = jax.jit(_prefix.restore, donate_argnums=0)
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
@@ -445,10 +449,11 @@ class Engine:
             block = idx.add_block(keys[i])
             if block is None:
                 return
-            self._pool = self._save_block(self._pool, self.state, slot, jnp.int32(i * g), jnp.int32(block))
+            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
+                                                      jnp.int32(block))
         snap = idx.add_snapshot(keys, r.prompt[end])
         if snap is not None:
-            self._pool = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+            self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
 
     def prefix_cache_stats(self) -> dict | None:
         """The prefix cache's counters (queried / hit prompt tokens, evictions, blocks and snapshots held) and its
