@@ -198,3 +198,14 @@ def test_the_server_reports_cached_tokens_and_counters(checkpoint_factory, rng):
             assert f'jaxmtp_prefix_cache_hits_total{{model_name="{srv.server.model_name}"}} {6 * G}.0' in metrics
         finally:
             stop_in_thread(srv, api)
+
+
+def test_the_warm_up_compiles_the_copies_and_changes_nothing(models):
+    """The warm-up runs the cache's three copies on ids past the slots and pools: compiled, the pools untouched."""
+    eng = _engine(models["dense"], 2)
+    before = jax.device_get(eng._pool)
+    eng.warmup()
+    after = jax.device_get(eng._pool)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
+                                                    jax.tree_util.tree_leaves(after)))
+    assert all(f._cache_size() >= 1 for f in (eng._save_block, eng._save_snapshot, eng._restore))

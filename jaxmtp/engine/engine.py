@@ -758,6 +758,13 @@ class Engine:
         if len(self.slot_buckets) > 1:
             none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
             self.state = self._move(self.state, none, none)
+        if self.prefix_cache is not None:  # the cache's copies, on ids past the slots and pools: nothing changes
+            idx, no_slot = self.prefix_cache, jnp.int32(self.num_slots)
+            self._pool, self.state = self._save_block(self._pool, self.state, no_slot, jnp.int32(0),
+                                                      jnp.int32(idx.num_blocks))
+            self._pool, self.state = self._save_snapshot(self._pool, self.state, no_slot, jnp.int32(idx.num_snapshots))
+            blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
+            self.state = self._restore(self.state, self._pool, no_slot, blocks, jnp.int32(0), jnp.int32(0))
         jax.block_until_ready(out)
         ids = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
         self.state = self._deactivate(self.state, ids)

@@ -190,16 +190,18 @@ def _rows(cache, slot, start, g):
 
 
 def save_block(pool: dict, state, slot, start, block):
-    """Copy KV rows ``[start, start + G)`` of ``slot`` (every attention layer) into pool block ``block``."""
+    """Copy KV rows ``[start, start + G)`` of ``slot`` (every attention layer) into pool block ``block`` (an id past
+    the pool writes nothing: the warm-up's call)."""
     kv = []
     for (pk, pv), c in zip(pool["kv"], _kv_layers(state)):
-        kv.append(tuple(p.at[block].set(_rows(a, slot, start, p.shape[2])) for p, a in ((pk, c.k), (pv, c.v))))
+        kv.append(tuple(p.at[block].set(_rows(a, slot, start, p.shape[2]), mode="drop")
+                        for p, a in ((pk, c.k), (pv, c.v))))
     return {"kv": kv, "gdn": pool["gdn"]}
 
 
 def save_snapshot(pool: dict, state, slot, snap):
-    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap``."""
-    gdn = [(pc.at[snap].set(c.conv[slot]), ps.at[snap].set(c.state[slot]))
+    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap`` (an id past the pool writes nothing)."""
+    gdn = [(pc.at[snap].set(c.conv[slot], mode="drop"), ps.at[snap].set(c.state[slot], mode="drop"))
            for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state))]
     return {"kv": pool["kv"], "gdn": gdn}
 
@@ -207,7 +209,7 @@ def save_snapshot(pool: dict, state, slot, snap):
 def restore(state, pool: dict, slot, blocks, n_blocks, snap):
     """``state`` with ``slot``'s KV rows ``[i G, (i + 1) G)`` set from pool block ``blocks[i]`` for i < ``n_blocks``
     (``blocks [max_blocks]`` int32, fixed length: one compiled copy for every hit length) and its GDN carries from
-    snapshot ``snap``."""
+    snapshot ``snap`` (a slot id past the slots and no blocks change nothing: the warm-up's call)."""
     kv = [(c.k, c.v) for c in _kv_layers(state)]
     if kv:
         def body(i, caches):
@@ -222,7 +224,7 @@ def restore(state, pool: dict, slot, blocks, n_blocks, snap):
     def layer(c):
         if isinstance(c, GDNCarry):
             pc, ps = next(snaps)
-            return GDNCarry(c.conv.at[slot].set(pc[snap]), c.state.at[slot].set(ps[snap]))
+            return GDNCarry(c.conv.at[slot].set(pc[snap], mode="drop"), c.state.at[slot].set(ps[snap], mode="drop"))
         return KVCache(*next(kv_it))
 
     carry = tuple(layer(c) for c in state.carry)
