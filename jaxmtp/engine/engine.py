@@ -100,7 +100,7 @@ class _Request:
     admitted: float | None = None
     prefilled: int = 0  # prompt tokens already run through the target
     cached: int = 0  # prompt tokens restored from the prefix cache
-    keys: list | None = None  # the prompt's prefix-cache block keys (jaxmtp.engine.prefix_cache.block_keys)
+    keys: list | None = None  # the prompt's prefix-cache block keys (PrefixIndex.prompt_keys, set at admission)
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
     first_token_time: float | None = None
@@ -425,14 +425,15 @@ class Engine:
         idx = self.prefix_cache
         max_blocks = (self.max_context + self.k) // idx.granularity
         for r in new:
-            hit = idx.lookup(r.prompt)
+            r.keys = idx.prompt_keys(r.prompt)  # hashed once: the lookup here, the snapshots its prefill publishes
+            hit = idx.lookup(r.prompt, r.keys)
             if hit is None:
                 continue
             blocks = np.zeros((max_blocks,), np.int32)
             blocks[: len(hit.blocks)] = hit.blocks
             self.state = self._restore(self.state, self._pool, jnp.int32(r.slot), jnp.asarray(blocks),
                                        jnp.int32(len(hit.blocks)), jnp.int32(hit.snapshot))
-            idx.used(r.prompt, hit)
+            idx.used(hit)
             r.prefilled = r.cached = hit.tokens
 
     def _publish_prefix(self, r: _Request, end: int) -> None:
@@ -440,8 +441,6 @@ class Engine:
         and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies enqueued after the chunk that filled
         the slot, so any later restore reads them filled)."""
         idx, g = self.prefix_cache, self.prefix_cache.granularity
-        if r.keys is None:
-            r.keys = _prefix.block_keys(r.prompt, g, (r.prompt.size - 1) // g)
         keys, slot = r.keys[: end // g], jnp.int32(r.slot)
         if idx.has_snapshot(keys[-1], r.prompt[end]):
             return

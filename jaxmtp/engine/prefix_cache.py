@@ -51,11 +51,14 @@ def block_keys(tokens: np.ndarray, granularity: int, n: int | None = None) -> li
 
 @dataclasses.dataclass
 class Hit:
-    """A usable snapshot: resume at ``tokens`` (a multiple of G) from snapshot ``snapshot`` over ``blocks``."""
+    """A usable snapshot: resume at ``tokens`` (a multiple of G) from snapshot ``snapshot`` over ``blocks``; ``key``
+    is the snapshot's index key, ``held`` its blocks' keys."""
 
     tokens: int
     blocks: list[int]
     snapshot: int
+    key: tuple
+    held: list
 
 
 class PrefixIndex:
@@ -72,28 +75,33 @@ class PrefixIndex:
         self._free_snaps = list(range(num_snapshots))[::-1]
         self.queried_tokens = self.hit_tokens = self.evictions = 0
 
-    def lookup(self, prompt: np.ndarray) -> Hit | None:
-        """The longest snapshot for ``prompt``: at P < len(prompt) (one token at least is left to prefill), keyed by
-        ids 0..P-1 and token P, its blocks all present. Counts the query; the caller counts the hit (:meth:`used`)."""
+    def prompt_keys(self, prompt: np.ndarray) -> list[bytes]:
+        """The block keys of ``prompt``'s whole blocks before its last token (the boundaries it can resume at)."""
+        return block_keys(prompt, self.granularity, (len(prompt) - 1) // self.granularity)
+
+    def lookup(self, prompt: np.ndarray, keys: list[bytes] | None = None) -> Hit | None:
+        """The longest snapshot for ``prompt`` (``keys``: its :meth:`prompt_keys`, if already made): at P <
+        len(prompt) (one token at least is left to prefill), keyed by ids 0..P-1 and token P, its blocks all present.
+        Counts the query; the caller counts the hit (:meth:`used`)."""
         self.queried_tokens += len(prompt)
-        keys = block_keys(prompt, self.granularity, (len(prompt) - 1) // self.granularity)
+        keys = self.prompt_keys(prompt) if keys is None else keys
         for i in range(len(keys), 0, -1):
             p = i * self.granularity
-            entry = self._snaps.get((keys[i - 1], int(prompt[p])))
+            key = (keys[i - 1], int(prompt[p]))
+            entry = self._snaps.get(key)
             if entry is None:
                 continue
             snap, held = entry
             if all(k in self._blocks for k in held):
-                return Hit(p, [self._blocks[k] for k in held], snap)
+                return Hit(p, [self._blocks[k] for k in held], snap, key, held)
         return None
 
-    def used(self, prompt: np.ndarray, hit: Hit) -> None:
-        """Mark ``hit`` (from :meth:`lookup` of ``prompt``) as used now: its entries become the most recent."""
+    def used(self, hit: Hit) -> None:
+        """Mark ``hit`` (from :meth:`lookup`) as used now: its entries become the most recent."""
         self.hit_tokens += hit.tokens
-        keys = block_keys(prompt, self.granularity, hit.tokens // self.granularity)
-        for k in keys:
+        for k in hit.held:
             self._blocks.move_to_end(k)
-        self._snaps.move_to_end((keys[-1], int(prompt[hit.tokens])))
+        self._snaps.move_to_end(hit.key)
 
     def missing_blocks(self, keys: list[bytes]) -> list[int]:
         """Indices i of ``keys`` (a prompt's block keys) whose block the pool does not hold."""
