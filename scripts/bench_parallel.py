@@ -38,6 +38,9 @@ def child(args) -> dict:
         cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[:args.layers],
                                   moe_layers=cfg.moe_layers[:args.layers])
     tp = args.only_tp
+    from jaxmtp.compile_cache import enable_compile_cache
+
+    enable_compile_cache()  # a rerun on the same machine compiles nothing
     model = random_model(cfg, jnp.bfloat16 if not args.tiny else jnp.float32, args.backend,
                          tensor_parallel_size=tp)
     out = {"tp": tp, "weight_bytes_per_device": device_bytes(model.params) if model.layout else
@@ -56,6 +59,7 @@ def child(args) -> dict:
                                                            read_trace)
             out["steps"].append(row)
         del engines
+        print("RESULT " + json.dumps(out), flush=True)  # what is done so far (the parent keeps the last)
     # exactness on the devices: greedy speculative == greedy plain on this model
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 40).tolist() for _ in range(4)]
@@ -122,12 +126,26 @@ def collective_share(eng, params, jax, covered_time, is_device_stream, read_trac
     streams = [(p, t) for (p, t) in groups if is_device_stream(p, t)]
     first = sorted({p for p, _ in streams})[:1]
     events = [e for (p, t), evs in groups.items() if (p, t) in streams and p in first for e in evs]
-    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "all-reduce", "allreduce",
-                                                                     "all-gather", "allgather"))]
+    # NCCL's kernels, and XLA's own collective kernels, which it names after the op (``psum_12_0_fusion_1``)
+    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "psum", "all-reduce", "all_reduce",
+                                                                     "allreduce", "all-gather", "all_gather",
+                                                                     "allgather", "reduce-scatter"))]
     total = covered_time((e["ts"], e["ts"] + e["dur"]) for e in events)
     comm = covered_time((e["ts"], e["ts"] + e["dur"]) for e in coll)
+    kernels = {}  # name -> [count, total us]: what the step is made of (finds collectives named otherwise)
+    for e in events:
+        k = kernels.setdefault(e["name"][:90], [0, 0.0])
+        k[0] += 1
+        k[1] += e["dur"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    per_stream = {t: covered_time((e["ts"], e["ts"] + e["dur"]) for e in groups[(p, t)]) / eng.steps_per_sync
+                  for (p, t) in streams if p in first}
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events) if events else 0.0
     return {"device_us_per_step": total / eng.steps_per_sync, "collective_us_per_step": comm / eng.steps_per_sync,
-            "share": comm / total if total else None, "collective_kernels": len(coll)}
+            "idle_us_per_step": (span - total) / eng.steps_per_sync,  # no kernel on the first device
+            "share": comm / total if total else None, "collective_kernels": len(coll),
+            "stream_us_per_step": per_stream,
+            "top_kernels": [(n, c // eng.steps_per_sync, round(us / eng.steps_per_sync, 1)) for n, (c, us) in top]}
 
 
 def main() -> None:
@@ -147,6 +165,8 @@ def main() -> None:
                     help="a shape whose same weights run at TP 1 and TP N: greedy tokens compared ('' to skip)")
     ap.add_argument("--profile", action="store_true", help="also the collectives' share of the step (profiler)")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every child (an A/B of a flag)")
+    ap.add_argument("--child-timeout", type=float, default=None,
+                    help="seconds each TP degree's process may take (the others still run)")
     ap.add_argument("--only-tp", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -161,21 +181,32 @@ def main() -> None:
     runs = []
     for tp in [int(t) for t in args.tp.split(",")]:
         cmd = [sys.executable, __file__, "--only-tp", str(tp)] + [a for a in sys.argv[1:]]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
-            runs.append({"tp": tp, "returncode": proc.returncode, "error": proc.stdout[-1000:] + proc.stderr[-3000:]})
-            continue
-        runs.append(json.loads(line[-1][len("RESULT "):]))
-        print(json.dumps(runs[-1]["steps"]), flush=True)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            done = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            runs.append(dict(json.loads(done[-1][len("RESULT "):]) if done else {"tp": tp},
+                             error=f"timed out after {args.child_timeout} s", stdout=out[-2000:]))
+        else:
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+                runs.append(dict(json.loads(line[-1][len("RESULT "):]) if line else {"tp": tp},
+                                 returncode=proc.returncode, error=proc.stdout[-1000:] + proc.stderr[-3000:]))
+            else:
+                runs.append(json.loads(line[-1][len("RESULT "):]))
+        print(json.dumps(runs[-1].get("steps")), flush=True)
+        if args.out:  # what has finished survives a later degree's failure or the call's limit
+            write_json(args.out, {"meta": run_metadata(), "args": vars(args), "runs": runs, "partial": True})
     base = next((r for r in runs if r.get("tp") == 1 and "steps" in r), None)
     for r in runs:
-        if base is None or "steps" not in r:
+        if base is None or not r.get("steps"):
             continue
         for s in r["steps"]:
-            b = next(x for x in base["steps"] if x["batch"] == s["batch"] and x["k"] == s["k"])
-            s["ratio_to_tp1"] = s["step_ms"] / b["step_ms"]
+            b = next((x for x in base["steps"] if x["batch"] == s["batch"] and x["k"] == s["k"]), None)
+            if b is not None:
+                s["ratio_to_tp1"] = s["step_ms"] / b["step_ms"]
         plain = {s["batch"]: s for s in r["steps"] if s["k"] == 0}
         for s in r["steps"]:
             if s["k"] and s["batch"] in plain:
