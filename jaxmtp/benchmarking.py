@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxmtp import shapes
 from jaxmtp.config import Qwen35Config
-from jaxmtp.engine import Engine
+from jaxmtp.engine import Engine, steps
 from jaxmtp.fp8 import STANDARD, check_quantization
 from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params, param_shapes
@@ -131,7 +131,8 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
     ids = jnp.arange(s, dtype=jnp.int32)
     zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
     state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
-                       jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32))
+                       jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32),
+                       {name: jnp.asarray(v) for name, v in steps.neutral_processing(s).items()})
     new = state.replace(length=jnp.full((s,), context, jnp.int32),
                         last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
                         drafts=jnp.asarray(rng.integers(0, vocab, eng.state.drafts.shape), jnp.int32),

@@ -317,14 +317,15 @@ def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = 
 def data_parallel_prefill(fn: Callable) -> Callable:
     """:func:`jaxmtp.engine.steps.prefill_chunk` on one DP replica, whose state holds slots ``[d n, (d+1) n)``: the
     rows of other replicas' slots run too and are dropped (their ids out of range), and each row's outputs (first
-    token, finished, reason) come from the replica that holds its slot."""
+    token, finished, reason, its packed log-probabilities) come from the replica that holds its slot."""
 
     def local(params, state, slots, *rest):
         n = state.length.shape[0]
         lo = jax.lax.axis_index(DP) * n
         mine = (slots >= lo) & (slots < lo + n)
         state, *outs = fn(params, state, jnp.where(mine, slots - lo, jnp.iinfo(jnp.int32).max), *rest)
-        merged = [jax.lax.psum(jnp.where(mine, o, 0).astype(jnp.int32), DP).astype(o.dtype) for o in outs]
+        merged = [jax.lax.psum(jnp.where(mine.reshape(mine.shape + (1,) * (o.ndim - 1)), o, 0).astype(jnp.int32),
+                               DP).astype(o.dtype) for o in outs]
         return (state, *merged)
 
     return local

@@ -79,11 +79,12 @@ def _prompts(rng, n, vocab):
 
 
 def _params(n):
-    """Greedy and seeded sampling side by side (top-k / top-p on one)."""
+    """Greedy and seeded sampling side by side (top-k / top-p on one, penalties, bias and logprobs on another)."""
     return [SamplingParams(max_new_tokens=14, ignore_eos=True),
             SamplingParams(max_new_tokens=12, temperature=0.9, seed=11, ignore_eos=True),
             SamplingParams(max_new_tokens=10, temperature=1.1, top_k=20, top_p=0.9, seed=5, ignore_eos=True),
-            SamplingParams(max_new_tokens=9, ignore_eos=True)][:n]
+            SamplingParams(max_new_tokens=9, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
+                           logit_bias={7: 1.5}, logprobs=3)][:n]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_background_warmup_serves_on_compiled_substitutes(model, monkeypatch, rn
     started = []
     monkeypatch.setattr(warmup_mod.BackgroundCompiler, "start", lambda self: started.append(self) or self)
     eng = Engine(model, **ENGINE_KW)
-    assert len(eng.executables) == 2 + 2 * 2  # prefill chunks {16, 64}; loops over slots {1, 2} x 2
+    assert len(eng.executables) == 2 + 2 * 3  # prefill chunks {16, 64}; loops over slots {1, 2} x 3 modes
     eng.warmup(background=True)
     status = eng.warmup_status()
     assert (status["planned"], status["done"], status["compiled"]) == (2, 2, 2)
@@ -145,6 +145,11 @@ def test_substitute_choice(model):
     assert eng._prefill_shape(1, 10) == (2, 16)  # the fewest padded tokens with enough rows
     assert eng._prefill_shape(1, 40) == (1, 64)
     assert eng._prefill_shape(2, 40) == (2, 16)  # no 2-row chunk of 64 yet: split into chunks of 16
+    assert eng._loop_for(1, "features") == (1, "features")  # nothing serves it but a feature loop: compile it
+    eng._ready |= {("step", 4, "features")}
+    assert eng._loop_for(2, "features") == (4, "features") and eng._loop_for(2, True) == (4, True)
+    eng._ready = {("step", 4, "features"), ("prefill", 1, 64)}
+    assert eng._loop_for(1, False) == (4, "features")  # a feature loop decodes greedy slots as the greedy loop
     eng._lazy = False
     assert eng._loop_for(1, False) == (1, False) and eng._prefill_shape(2, 40) == (2, 64)
 
@@ -190,7 +195,7 @@ def test_client_waits_through_the_warm_up_and_model_info_reports_it(model):
                 i and (i["warmup_done"], i["warmup_planned"]) for i in seen]
             info = c.model_info()
             assert (info["warmup_planned"], info["warmup_done"]) == (2, 2) and info["warmup_s"] > 0
-            assert info["executables_total"] == 2 * 1 + 2 * 2  # prefill rows {1, 2} x chunk 16; loops {1, 2} x 2
+            assert info["executables_total"] == 2 * 1 + 2 * 3  # prefill rows {1, 2} x chunk 16; loops {1, 2} x 3
             warm = [x for x in info["executables"] if x["phase"] == "warmup"]
             assert sorted(x["name"] for x in warm) == ["prefill[1x16]", "step[2]+sampling"]
             assert all(x["seconds"] > 0 for x in warm)

@@ -37,6 +37,7 @@ from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_s
 from jaxmtp.sampling import SamplingParams, split_seed, stop_id_row
 
 _REASONS = {steps.STOP: "stop", steps.LENGTH: "length"}
+_MODES = (False, True, _warmup.FEATURES)  # the step loops' modes: greedy only, sampling, features
 
 
 @dataclasses.dataclass
@@ -72,6 +73,16 @@ class SpecStats:
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """An output token's log-probability under the target model and the ``logprobs`` most likely ids with theirs
+    (most likely first; :class:`jaxmtp.sampling.SamplingParams`)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """What one ``step`` produced for a request: new token ids and text, and the final state once finished."""
 
@@ -87,6 +98,8 @@ class RequestOutput:
     elapsed: float | None = None
     queue_time: float | None = None  # arrival to admission into a slot
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    logprobs: list[TokenLogprob] | None = None  # one per id in token_ids, when the request asked for them
+    index: int = 0  # which of the request's ``n`` samples
 
 
 @dataclasses.dataclass
@@ -104,11 +117,31 @@ class _Request:
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
     first_token_time: float | None = None
-    stops: StopMatcher | None = None  # the stop strings' matcher (None: no stop strings)
+    stops: StopMatcher | None = None  # the stop strings' matcher (None: no stop strings, or not before min_tokens)
+    later_stops: StopMatcher | None = None  # the matcher, held until min_tokens tokens are out
     held: str = ""  # text not streamed yet because it may begin a stop string
     done: bool = False
     reason: str | None = None
     oracle: np.ndarray | None = None  # prompt + reference continuation (oracle drafts)
+    index: int = 0  # sample index (SamplingParams.n)
+    group: list | None = None  # every sample of the request, index order (None: n = 1)
+    waiting: bool = False  # a sample past the first, until the first's prefill is copied into its slot
+
+
+def _set_processing_row(rows: dict, i: int, p: SamplingParams) -> None:
+    rows["min_p"][i], rows["repetition_penalty"][i] = p.min_p, p.repetition_penalty
+    rows["frequency_penalty"][i], rows["presence_penalty"][i] = p.frequency_penalty, p.presence_penalty
+    rows["min_tokens"][i] = p.min_tokens
+    for j, (t, v) in enumerate(p.logit_bias):
+        rows["bias_ids"][i, j], rows["bias_vals"][i, j] = t, v
+
+
+def _token_logprobs(lps, at: tuple, ids: list[int], n: int) -> list[TokenLogprob]:
+    """The :class:`TokenLogprob` of ``ids`` (positions 0..) at index ``at`` of unpacked logprobs
+    (:func:`jaxmtp.engine.steps.unpack_logprobs`), with ``n`` alternatives each."""
+    lp, top_ids, top_lp = (a[at] for a in lps)
+    return [TokenLogprob(t, float(lp[i]), [(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lp[i, :n])
+                                           if a >= 0]) for i, t in enumerate(ids)]
 
 
 def _slot_buckets(num_slots: int) -> list[int]:
@@ -230,31 +263,36 @@ class Engine:
         slot_jit = functools.partial(jax.jit, donate_argnums=0, out_shardings=state_out)
         self._admit = slot_jit(counted("admit", steps.admit))
         self._deactivate = slot_jit(counted("deactivate", steps.deactivate))
+        self._mark_prompt = slot_jit(counted("mark_prompt", steps.mark_prompt))
         self._set_oracle = slot_jit(steps.set_oracle_row)
         prefill = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend)
         if layout is not None:  # the model's functions run inside the mesh's shard_map
             s_spec, rep, per_slot = state_specs(self.state), P(), P(None, DP)  # step outputs [N, slots, ...]
             if dp > 1:
                 prefill = data_parallel_prefill(prefill)
-            prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep))
+            prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep, rep))
         self._prefill = jax.jit(counted("prefill", prefill), donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
         self._move = slot_jit(counted("move", steps.move_slots))
+        self._copy_carries = slot_jit(counted("copy_carries", steps.copy_carries))
 
-        def loop(width, sampling):
-            name = ("step" if width == num_slots else f"step[{width}]") + ("+sampling" if sampling else "")
+        def loop(width, mode):
+            name = _warmup.key_name(_warmup.step_key(width, mode))
+            if width == num_slots:
+                name = "step" + name[name.index("]") + 1:]
             run = steps.run_steps if width == num_slots else functools.partial(steps.run_steps_on_prefix, n=width)
             fn = functools.partial(run, cfg=run_cfg, k=self.k, num_steps=steps_per_sync, backend=backend,
-                                   sampling=sampling)
+                                   sampling=bool(mode), features=mode == _warmup.FEATURES)
             if layout is not None:
                 fn = layout.shard_map(fn, (s_spec,), (s_spec, per_slot))
             return jax.jit(counted(name, fn), donate_argnums=1)
 
-        # Each width twice: greedy only, and with sampling. The greedy loop has no sampling conditional, whose
-        # predicate costs a host round trip inside every plain step on GPUs (docs/engine.md has the measurement).
-        self._loops = {(w, sampling): loop(w, sampling) for w in self.slot_buckets for sampling in (False, True)}
+        # Each width three times: greedy only, with sampling, and with the logits processing and log-probabilities
+        # (features). The greedy loop has no sampling conditional, whose predicate costs a host round trip inside
+        # every plain step on GPUs (docs/engine.md has the measurement); neither of the first two processes logits.
+        self._loops = {(w, mode): loop(w, mode) for w in self.slot_buckets for mode in _MODES}
         # Every shape the engine can run (jaxmtp.engine.warmup). After warmup(background=True) the calls use only
         # the compiled ones (``_ready``), substituting a wider bucket or the sampling loop until the rest are done.
         self.executables = self._list_executables()
@@ -273,6 +311,7 @@ class Engine:
         self._ids = itertools.count()
         self.totals = SpecStats(k=self.k, accepted_per_position=[0] * self.k)
         self.num_steps_run = 0
+        self.prefilled_tokens = 0  # prompt tokens run through the target (prefix-cache hits and shared samples not)
 
     def set_oracle_probs(self, probs) -> None:
         """Change the oracle drafter's corruption distribution (k + 1 entries) without recompiling."""
@@ -300,6 +339,11 @@ class Engine:
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         stop_id_row(params, self.eos_ids)  # raises if stop ids + EOS ids exceed what a slot holds
+        if params.n > self.num_slots:
+            raise ValueError(f"n={params.n} samples need as many slots, and the engine has {self.num_slots}")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         return prompt
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
@@ -311,27 +355,35 @@ class Engine:
         prompt = self.validate(prompt_ids, params)
         if params.stop and self.tokenizer is not None and stop_matcher is None:
             stop_matcher = StopMatcher(params.stop)
+        if oracle_continuation is not None and self.state.oracle is None:
+            raise ValueError("oracle_continuation needs an engine built with oracle_probs")
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._by_id:
                 raise ValueError(f"request id {rid!r} is already in use")
-            req = _Request(rid, prompt, params, time.perf_counter(),
-                           detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
-                           stops=stop_matcher if params.stop else None,
-                           stats=SpecStats(k=self.k, accepted_per_position=[0] * self.k))
-            if oracle_continuation is not None:
-                if self.state.oracle is None:
-                    raise ValueError("oracle_continuation needs an engine built with oracle_probs")
-                req.oracle = np.concatenate([prompt, np.asarray(oracle_continuation, np.int32)])
-            self._by_id[rid] = req
-            self._queue.append(req)
+            now, group = time.perf_counter(), []
+            for i in range(params.n):  # sample i: seed + i, its own detokeniser and stop matcher
+                matcher = stop_matcher if i == 0 else (StopMatcher(params.stop) if stop_matcher else None)
+                req = _Request(rid, prompt, params.sample(i), now, index=i, waiting=i > 0,
+                               detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                               stops=matcher if params.stop and not params.min_tokens else None,
+                               later_stops=matcher if params.stop and params.min_tokens else None,
+                               stats=SpecStats(k=self.k, accepted_per_position=[0] * self.k))
+                if oracle_continuation is not None:
+                    req.oracle = np.concatenate([prompt, np.asarray(oracle_continuation, np.int32)])
+                group.append(req)
+            if params.n > 1:
+                for req in group:
+                    req.group = group
+            self._by_id[rid] = group[0]
+            self._queue.extend(group)
         return rid
 
     def abort(self, request_id: str) -> bool:
         """Cancel a queued or running request; its slot is freed at the next step. False if unknown/finished."""
         with self._lock:
             req = self._by_id.get(request_id)
-            if req is None or req.done:
+            if req is None or all(m.done for m in req.group or [req]):
                 return False
             self._aborted.append(request_id)
             return True
@@ -352,7 +404,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration. An iteration that completes a prompt returns right after the prefill, so the
         first token is not held back by a decode loop (the next iteration decodes)."""
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[tuple, RequestOutput] = {}
         self._handle_aborts(outputs)
         self._admit_queued()
         if self._prefill_once(outputs):
@@ -362,20 +414,22 @@ class Engine:
         return list(outputs.values())
 
     def _out(self, outputs, req: _Request) -> RequestOutput:
-        if req.id not in outputs:
-            outputs[req.id] = RequestOutput(req.id, [], "", num_prompt_tokens=int(req.prompt.size))
-        return outputs[req.id]
+        key = (req.id, req.index)
+        if key not in outputs:
+            outputs[key] = RequestOutput(req.id, [], "", num_prompt_tokens=int(req.prompt.size), index=req.index)
+        return outputs[key]
 
     def _handle_aborts(self, outputs):
         with self._lock:
             aborted, self._aborted = self._aborted, []
             for rid in aborted:
-                req = self._by_id.get(rid)
-                if req is None or req.done:
-                    continue
-                if req in self._queue:
-                    self._queue.remove(req)
-                self._finish(outputs, req, "abort")
+                lead = self._by_id.get(rid)
+                for req in (lead.group or [lead]) if lead is not None else ():
+                    if req.done:
+                        continue
+                    if req in self._queue:
+                        self._queue.remove(req)
+                    self._finish(outputs, req, "abort")
         slots = [s for s, r in enumerate(self._slots) if r is not None and r.done]
         self._free(slots)
 
@@ -387,6 +441,15 @@ class Engine:
         self.state = self._deactivate(self.state, jnp.asarray(ids))
         for s in slots:
             self._slots[s] = None
+
+    def _mark_prompt_ids(self, r: _Request) -> None:
+        """Mark ``r``'s prompt ids in its slot's ``seen`` row, a prefill chunk's worth per call (one shape)."""
+        c = self.prefill_chunk
+        for start in range(0, r.prompt.size, c):
+            ids = np.full((c,), -1, np.int32)
+            part = r.prompt[start : start + c]
+            ids[: part.size] = part
+            self.state = self._mark_prompt(self.state, jnp.int32(r.slot), jnp.asarray(ids))
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
     def _plan_prefix_cache(self, memory, granularity: int, layout, available: int | None) -> None:
@@ -469,14 +532,18 @@ class Engine:
         busy = collections.Counter(s // per_replica for s, r in enumerate(self._slots) if r is not None)
         with self._lock:
             while free and self._queue:
-                req = self._queue.popleft()
-                # lowest free slot (slot buckets step the busy prefix); with DP, on the least busy replica
-                req.slot = min(free, key=lambda s: (busy[s // per_replica], s)) if self.data_parallel > 1 else free[0]
-                free.remove(req.slot)
-                busy[req.slot // per_replica] += 1
-                req.admitted = time.perf_counter()
-                self._slots[req.slot] = req
-                new.append(req)
+                if len(self._queue[0].group or ()) > len(free):  # a request's samples enter together
+                    break
+                for _ in range(len(self._queue[0].group or [0])):
+                    req = self._queue.popleft()
+                    # lowest free slot (slot buckets step the busy prefix); with DP, on the least busy replica
+                    req.slot = (min(free, key=lambda s: (busy[s // per_replica], s)) if self.data_parallel > 1
+                                else free[0])
+                    free.remove(req.slot)
+                    busy[req.slot // per_replica] += 1
+                    req.admitted = time.perf_counter()
+                    self._slots[req.slot] = req
+                    new.append(req)
         if not new:
             return
         b = self.num_slots
@@ -485,6 +552,7 @@ class Engine:
         temp, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
         top_k, lo, hi = np.zeros((b,), np.int32), np.zeros((b,), np.uint32), np.zeros((b,), np.uint32)
         stops = np.full((b, len(stop_id_row(SamplingParams(), ()))), -1, np.int32)
+        proc = steps.neutral_processing(b)
         for i, r in enumerate(new):
             p = r.params
             slots[i] = r.slot
@@ -492,9 +560,15 @@ class Engine:
             temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             lo[i], hi[i] = split_seed(p.seed)
             stops[i] = stop_id_row(p, self.eos_ids)
-        self.state = self._admit(self.state, *map(jnp.asarray, (slots, max_gen, temp, top_k, top_p, lo, hi, stops)))
+            _set_processing_row(proc, i, p)
+        self.state = self._admit(self.state, *map(jnp.asarray, (slots, max_gen, temp, top_k, top_p, lo, hi, stops)),
+                                 {name: jnp.asarray(v) for name, v in proc.items()})
+        for r in new:  # the repetition penalty's prompt half: the whole prompt, cached prefix included
+            if r.params.repetition_penalty != 1.0:
+                self._mark_prompt_ids(r)
         if self.prefix_cache is not None:
-            self._restore_prefixes(new)
+            self._restore_prefixes([r for r in new if not r.waiting])
+        self._fork_samples()
         if self.state.oracle is not None:
             cap = self.state.oracle.seq.shape[1]
             for r in new:
@@ -505,13 +579,36 @@ class Engine:
 
     def _prefill_once(self, outputs) -> bool:
         """One chunk for every prefilling request; True if some prompt finished (its first token is out)."""
-        pending = [r for r in self._slots if r is not None and r.prefilled < r.prompt.size and not r.done]
+        pending = [r for r in self._slots if r is not None and r.prefilled < self._prefill_end(r) and not r.done]
         completed = False
         batch = self._prefill_rows_limit()
         for group_start in range(0, len(pending), batch):
             group = pending[group_start : group_start + batch]
             completed |= self._prefill_group(group, outputs)
+        self._fork_samples()
         return completed
+
+    def _prefill_end(self, r: _Request) -> int:
+        """How far ``r``'s prompt prefills now: all of it; for the first of n samples while the others wait, all
+        but the last token (then copied into their slots); for the others, nothing before that copy."""
+        if r.waiting:
+            return r.prefilled
+        if r.group and any(m.waiting for m in r.group):
+            return r.prompt.size - 1
+        return r.prompt.size
+
+    def _fork_samples(self) -> None:
+        """Copy the first sample's prefill (all but the last prompt token) into the slots of the others, which
+        then prefill that token and draw their own first token."""
+        for lead in [r for r in self._slots if r is not None and r.group and r.index == 0]:
+            waiting = [m for m in lead.group if m.waiting and m.slot >= 0]
+            if not waiting or lead.prefilled < lead.prompt.size - 1 or lead.done:
+                continue
+            dst = np.full((self.num_slots,), self.num_slots, np.int32)
+            dst[: len(waiting)] = [m.slot for m in waiting]
+            self.state = self._copy_carries(self.state, jnp.int32(lead.slot), jnp.asarray(dst))
+            for m in waiting:
+                m.waiting, m.prefilled = False, lead.prefilled
 
     def _bucket(self, n: int, lo: int, hi: int) -> int:
         b = lo
@@ -527,7 +624,8 @@ class Engine:
         return min(b, self.prefill_chunk)
 
     def _prefill_group(self, group, outputs):
-        rows, chunk = self._prefill_shape(len(group), max(min(self.prefill_chunk, r.prompt.size - r.prefilled)
+        limit = {id(r): self._prefill_end(r) for r in group}
+        rows, chunk = self._prefill_shape(len(group), max(min(self.prefill_chunk, limit[id(r)] - r.prefilled)
                                                           for r in group))
         slots = np.full((rows,), self.num_slots, np.int32)
         tokens = np.zeros((rows, chunk), np.int32)
@@ -537,7 +635,7 @@ class Engine:
         ends = []
         for i, r in enumerate(group):
             start = r.prefilled
-            n = min(chunk, r.prompt.size - start)
+            n = min(chunk, limit[id(r)] - start)
             slots[i] = r.slot
             tokens[i, :n] = r.prompt[start : start + n]
             positions[i, :n] = np.arange(start, start + n)
@@ -545,8 +643,9 @@ class Engine:
             nxt[i, : follow.size] = follow
             final[i] = start + n == r.prompt.size
             r.prefilled += n
+            self.prefilled_tokens += n
             ends.append(start + n)
-        self.state, first, finished, reason = self._prefill(
+        self.state, first, finished, reason, logprobs = self._prefill(
             self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
         if self.prefix_cache is not None:
             for r, end, fin in zip(group, ends, final):
@@ -555,13 +654,17 @@ class Engine:
         if not final.any():
             return False
         first, finished, reason = np.asarray(first), np.asarray(finished), np.asarray(reason)
+        if any(r.params.logprobs is not None for r in group):
+            lps = steps.unpack_logprobs(np.asarray(logprobs))
         now = time.perf_counter()
         done_slots = []
         for i, r in enumerate(group):
             if not final[i]:
                 continue
             r.first_token_time = now
-            self._emit(outputs, r, [int(first[i])])
+            self._emit(outputs, r, [int(first[i])],
+                       None if r.params.logprobs is None else _token_logprobs(lps, (i,), [int(first[i])],
+                                                                              r.params.logprobs))
             if finished[i] and not r.done:
                 self._finish(outputs, r, _REASONS[int(reason[i])])
             if r.done:
@@ -597,7 +700,9 @@ class Engine:
         while a background warm-up runs, a compiled loop that serves these slots (:meth:`_loop_for`)."""
         width = self.num_slots if width is None else width
         if sampling is None:
-            sampling = any(r is not None and not r.done and r.params.temperature > 0 for r in self._slots[:width])
+            busy = [r.params for r in self._slots[:width] if r is not None and not r.done]
+            sampling = (_warmup.FEATURES if any(p.processes_logits for p in busy)
+                        else any(p.temperature > 0 for p in busy))
         if ready_only:
             width, sampling = self._loop_for(width, sampling)
         return self._loops[width, sampling]
@@ -617,22 +722,24 @@ class Engine:
             if rows >= self.max_prefill_batch:
                 break
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
-        for (w, sampling), fn in self._loops.items():
-            key = _warmup.step_key(w, sampling)
+        for (w, mode), fn in self._loops.items():
+            key = _warmup.step_key(w, mode)
             ex[key] = _warmup.Executable(key, fn, tuple)
         return ex
 
-    def _loop_for(self, width: int, sampling: bool) -> tuple[int, bool]:
-        """A compiled loop for slots ``0 .. width-1``: the narrowest ready bucket at least as wide, greedy-only
-        loops serving greedy slots only (the sampling loop serves both). Not lazy: exactly (width, sampling)."""
-        if not self._lazy or _warmup.step_key(width, sampling) in self._ready:
-            return width, sampling
+    def _loop_for(self, width: int, mode) -> tuple[int, object]:
+        """A compiled loop for slots ``0 .. width-1``: the narrowest ready bucket at least as wide, each mode's
+        loop serving its own slots and those of the modes before it (a feature loop with neutral settings decodes
+        as the sampling loop, which decodes greedy slots as the greedy loop). Not lazy: exactly (width, mode)."""
+        if not self._lazy or _warmup.step_key(width, mode) in self._ready:
+            return width, mode
+        serving = _MODES[_MODES.index(mode):] if mode != _warmup.FEATURES else (mode,)
         for w in self.slot_buckets:
             if w >= width:
-                for s in ((True,) if sampling else (False, True)):
-                    if _warmup.step_key(w, s) in self._ready:
-                        return w, s
-        return width, sampling  # nothing compiled yet: the call compiles it
+                for m in serving:
+                    if _warmup.step_key(w, m) in self._ready:
+                        return w, m
+        return width, mode  # nothing compiled yet: the call compiles it
 
     def _prefill_rows_limit(self) -> int:
         """Prompts prefilled together: the most rows of a compiled prefill while a background warm-up runs."""
@@ -660,6 +767,7 @@ class Engine:
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
+        lps = steps.unpack_logprobs(out["logprobs"]) if "logprobs" in out else None
         for step in range(self.steps_per_sync):
             for s, r in enumerate(self._slots[:width]):
                 if r is None or r.done or not out["was_active"][step, s]:
@@ -668,7 +776,9 @@ class Engine:
                 accepted = min(int(out["accepted"][step, s]), max(n - 1, 0))
                 r.stats.add(accepted)
                 self.totals.add(accepted)
-                self._emit(outputs, r, out["tokens"][step, s, :n].tolist())
+                ids = out["tokens"][step, s, :n].tolist()
+                self._emit(outputs, r, ids, None if r.params.logprobs is None else
+                           _token_logprobs(lps, (step, s), ids, r.params.logprobs))
                 if out["finished"][step, s] and not r.done:
                     self._finish(outputs, r, _REASONS[int(out["reason"][step, s])])
         for s, r in enumerate(self._slots):
@@ -676,17 +786,27 @@ class Engine:
                 done_slots.append(s)
         self._free(done_slots)
 
-    def _emit(self, outputs, req: _Request, ids: list[int]):
-        """Record new tokens; stream their text, holding back any tail that may begin a stop string. The work is
-        proportional to the new tokens and text (and the held-back tail), not to the output so far."""
+    def _emit(self, outputs, req: _Request, ids: list[int], logprobs: list | None = None):
+        """Record new tokens (and their :class:`TokenLogprob`, when asked for); stream their text, holding back any
+        tail that may begin a stop string. The work is proportional to the new tokens and text (and the held-back
+        tail), not to the output so far. Stop strings are looked for once ``min_tokens`` tokens are out."""
         if req.done or not ids:
             return
         o = self._out(outputs, req)
+        if logprobs is not None and o.logprobs is None:
+            o.logprobs = []
         delta = req.detok.add(ids) if req.detok is not None else ""
-        hit = req.stops.feed(delta) if req.stops is not None else None
+        if req.later_stops is not None and len(req.generated) + len(ids) >= req.params.min_tokens:
+            req.stops, req.later_stops = req.later_stops, None  # from the text after these tokens on
+            delta_for_stops = ""
+        else:
+            delta_for_stops = delta
+        hit = req.stops.feed(delta_for_stops) if req.stops is not None and delta_for_stops else None
         if hit is None:
             req.generated.extend(ids)
             o.token_ids.extend(ids)
+            if logprobs is not None:
+                o.logprobs.extend(logprobs)
             text = req.held + delta
             safe = len(text) - (req.stops.held if req.stops is not None else 0)
             o.text += text[:safe]
@@ -700,6 +820,8 @@ class Engine:
         new_ids = req.detok.ids[len(req.generated) : keep]
         req.generated.extend(new_ids)
         o.token_ids.extend(new_ids)
+        if logprobs is not None:  # the ids end at the token that completes the stop string: a prefix of ``ids``
+            o.logprobs.extend(logprobs[: len(new_ids)])
         self._finish(outputs, req, "stop", flush=False)
 
     def _finish(self, outputs, req: _Request, reason: str, flush: bool = True):
@@ -717,7 +839,8 @@ class Engine:
         o.queue_time = (req.admitted if req.admitted is not None else now) - req.arrival
         o.num_cached_tokens = req.cached
         with self._lock:
-            self._by_id.pop(req.id, None)
+            if all(m.done for m in req.group or [req]):
+                self._by_id.pop(req.id, None)
 
     # ---- warm-up --------------------------------------------------------------------------------------------
     def warmup(self, compile_threads: int | None = None, *, background: bool = False, progress: bool = False,
@@ -735,9 +858,9 @@ class Engine:
         compile fails there (concurrent autotuning can run out of device memory beside a large model), a warning
         says so and the calls compile what is left one at a time, as they would without threads."""
         t0 = time.perf_counter()
-        if keys is None:
+        if keys is None:  # the feature loops compile in the background, or at the first request needing one
             keys = (_warmup.serving_keys(self.slot_buckets, self.prefill_chunk) if background
-                    else list(self.executables))
+                    else [k for k in self.executables if not (k[0] == "step" and k[2] == _warmup.FEATURES)])
         todo = [self.executables[k] for k in keys if not self.executables[k].ready]
         self._warmup_plan, self._warmup_t0, self.warmup_seconds = list(keys), t0, None
         workers = compile_threads or min(8, os.cpu_count() or 1)
@@ -754,9 +877,10 @@ class Engine:
                 jax.block_until_ready(out)
                 ex.seconds, ex.phase = time.perf_counter() - t, _warmup.BEFORE_SERVING
             self._ready.add(ex.key)
+        none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
         if len(self.slot_buckets) > 1:
-            none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
             self.state = self._move(self.state, none, none)
+        self.state = self._copy_carries(self.state, jnp.int32(0), none)  # the samples' copy: writes nothing
         if self.prefix_cache is not None:  # the cache's copies, on ids past the slots and pools: nothing changes
             idx, no_slot = self.prefix_cache, jnp.int32(self.num_slots)
             self._pool, self.state = self._save_block(self._pool, self.state, no_slot, jnp.int32(0),
@@ -770,7 +894,10 @@ class Engine:
         b = self.num_slots
         zi, zf = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
         self.state = self._admit(self.state, ids, zi, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
-                                 jnp.full((b, self.state.stop_ids.shape[1]), -1, jnp.int32))
+                                 jnp.full((b, self.state.stop_ids.shape[1]), -1, jnp.int32),
+                                 {name: jnp.asarray(v) for name, v in steps.neutral_processing(b).items()})
+        self.state = self._mark_prompt(self.state, jnp.int32(self.num_slots),
+                                       jnp.full((self.prefill_chunk,), -1, jnp.int32))
         jax.block_until_ready(self.state.length)
         self.warmup_seconds = time.perf_counter() - t0
         rest = [ex for ex in self.executables.values() if not ex.ready]
@@ -783,9 +910,10 @@ class Engine:
                 self._ready.add, idle=lambda: not self.has_work()).start()
         return self.warmup_seconds
 
-    def keys_for_request(self, prompt_len: int, sampling: bool) -> list[tuple]:
+    def keys_for_request(self, prompt_len: int, sampling) -> list[tuple]:
         """The executables (``warmup(keys=...)``) one request runs alone in the engine: its prompt's one-row
-        prefill chunks and the step loop of the narrowest slot bucket (greedy only, or with ``sampling``)."""
+        prefill chunks and the step loop of the narrowest slot bucket (``sampling``: a loop mode, False for greedy
+        only, True with sampling, :data:`jaxmtp.engine.warmup.FEATURES` with logits processing)."""
         keys, left = [], prompt_len
         while left > 0:
             chunk = self._chunk_bucket(min(self.prefill_chunk, left))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxmtp.config import Qwen35Config
 from jaxmtp.model import param_count, param_shapes
 from jaxmtp.param_layout import weight_bytes
+from jaxmtp.sampling import MAX_LOGIT_BIAS
 
 
 class EngineConfigError(ValueError):
@@ -75,10 +76,12 @@ class MemoryPlan:
     capacity: int
     k: int
     prefix_cache: int = 0  # the prefix cache's block and snapshot pools (jaxmtp.engine.prefix_cache)
+    processing_per_slot: int = 0  # logits processing: output counts, prompt marks, logit bias (engine.steps)
 
     @property
     def persistent_per_slot(self) -> int:
-        return self.kv_per_slot + self.mtp_kv_per_slot + self.gdn_state_per_slot + self.conv_per_slot
+        return (self.kv_per_slot + self.mtp_kv_per_slot + self.gdn_state_per_slot + self.conv_per_slot
+                + self.processing_per_slot)
 
     @property
     def transient_per_slot(self) -> int:
@@ -98,6 +101,7 @@ class MemoryPlan:
             ("weights", self.weights), ("KV per slot", self.kv_per_slot), ("MTP KV per slot", self.mtp_kv_per_slot),
             ("GDN state per slot", self.gdn_state_per_slot), ("conv window per slot", self.conv_per_slot),
             ("verify window per slot (transient)", self.verify_window_per_slot),
+            ("logits processing per slot", self.processing_per_slot),
             ("logits per slot (transient)", self.logits_per_slot), ("prefix cache pools", self.prefix_cache),
             (f"total ({self.slots} slots, {self.capacity} KV rows, k={self.k})", self.total),
         ]
@@ -127,6 +131,7 @@ def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=j
             (cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
              * cfg.linear_value_head_dim) * b + 2 * cfg.linear_num_value_heads * 4))) if k > 0 else 0,
         logits_per_slot=(k + 1) * cfg.vocab_size * 4,
+        processing_per_slot=cfg.vocab_size * 5 + MAX_LOGIT_BIAS * 8,  # int32 counts, bool marks, bias ids + values
         slots=slots,
         capacity=capacity,
         k=k,

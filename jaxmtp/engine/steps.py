@@ -30,7 +30,9 @@ from jaxmtp.model import commit_window, forward, init_carry, lm_head, reset_slot
 from jaxmtp.mtp import chosen_ids, draft_pass_input, init_mtp_carry, mtp_forward
 from jaxmtp.pallas import Backend
 from jaxmtp.pallas.collectives import gather_vocab, vocab_argmax
-from jaxmtp.sampling import MAX_STOP_IDS, sample_tokens
+from jaxmtp.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_IDS, process_logits, sample_tokens, token_logprobs
+
+UNUSED_ID = jnp.iinfo(jnp.int32).max  # a logit-bias entry that names no id (scatters drop it)
 
 NONE, STOP, LENGTH = 0, 1, 2  # finish reasons on the device
 
@@ -56,6 +58,16 @@ class SlotState:
     seed_lo: jax.Array  # [S] uint32
     seed_hi: jax.Array  # [S] uint32
     stop_ids: jax.Array  # [S, MAX_STOP_IDS] int32, -1 padded
+    # logits processing (jaxmtp.sampling.process_logits; run by the step loops with ``features``)
+    min_p: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32, 1: off
+    frequency_penalty: jax.Array  # [S] f32
+    presence_penalty: jax.Array  # [S] f32
+    min_tokens: jax.Array  # [S] int32
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, UNUSED_ID padded
+    bias_vals: jax.Array  # [S, MAX_LOGIT_BIAS] f32
+    counts: jax.Array  # [S, V] int32: each id's count in the output so far (kept by the feature loops)
+    seen: jax.Array  # [S, V] bool: the prompt's ids (marked for requests with a repetition penalty)
     oracle: "Oracle | None" = None  # controlled drafts for tests and benchmarks (None: MTP drafts only)
 
 
@@ -102,16 +114,26 @@ def init_state(cfg: Qwen35Config, slots: int, capacity: int, k: int, dtype, orac
         max_gen=z(jnp.int32), active=z(bool), temperature=z(jnp.float32), top_k=z(jnp.int32),
         top_p=jnp.ones((slots,), jnp.float32), seed_lo=z(jnp.uint32), seed_hi=z(jnp.uint32),
         stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+        min_p=z(jnp.float32), repetition_penalty=jnp.ones((slots,), jnp.float32), frequency_penalty=z(jnp.float32),
+        presence_penalty=z(jnp.float32), min_tokens=z(jnp.int32),
+        bias_ids=jnp.full((slots, MAX_LOGIT_BIAS), UNUSED_ID, jnp.int32),
+        bias_vals=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32),
+        counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32), seen=jnp.zeros((slots, cfg.vocab_size), bool),
         oracle=None if oracle_probs is None else Oracle(
             seq=jnp.full((slots, capacity), -1, jnp.int32), probs=jnp.asarray(oracle_probs, jnp.float32),
             seed=jnp.uint32(0)),
     )
 
 
-def admit(state: SlotState, slots, max_gen, temperature, top_k, top_p, seed_lo, seed_hi, stop_ids) -> SlotState:
+def admit(state: SlotState, slots, max_gen, temperature, top_k, top_p, seed_lo, seed_hi, stop_ids,
+          processing: dict) -> SlotState:
     """Write a new request's settings into ``slots`` [Bp] (out-of-range slot ids are ignored) and zero the slots'
-    GDN carries (KV rows need no reset: a query never reads rows past its own position)."""
+    GDN carries (KV rows need no reset: a query never reads rows past its own position). ``processing``: the
+    logits-processing fields of :class:`SlotState` by name ([Bp] or [Bp, MAX_LOGIT_BIAS]); their output counts
+    and prompt marks start empty."""
     put = lambda a, v: a.at[slots].set(v, mode="drop")  # noqa: E731
+    state = state.replace(counts=put(state.counts, 0), seen=put(state.seen, False),
+                          **{name: put(getattr(state, name), v) for name, v in processing.items()})
     return state.replace(
         carry=reset_slots(state.carry, slots),
         max_gen=put(state.max_gen, max_gen), temperature=put(state.temperature, temperature),
@@ -119,6 +141,20 @@ def admit(state: SlotState, slots, max_gen, temperature, top_k, top_p, seed_lo, 
         seed_hi=put(state.seed_hi, seed_hi), stop_ids=put(state.stop_ids, stop_ids),
         active=put(state.active, False), generated=put(state.generated, 0),
     )
+
+
+def mark_prompt(state: SlotState, slot, ids) -> SlotState:
+    """Mark prompt ids [C] (negative: padding) as seen by ``slot`` (the repetition penalty's prompt half)."""
+    ids = jnp.where(ids >= 0, ids, UNUSED_ID)
+    return state.replace(seen=state.seen.at[slot, ids].set(True, mode="drop"))
+
+
+def copy_carries(state: SlotState, src, dst) -> SlotState:
+    """Copy slot ``src``'s carries (target and MTP: KV rows, GDN states, conv rings) into slots ``dst`` [M]
+    (out-of-range ids ignored): the samples of one prompt start from the prefill of one."""
+    srcs = jnp.full_like(dst, src)
+    return state.replace(carry=_put(state.carry, dst, _take(state.carry, srcs)),
+                         mtp_carry=_put(state.mtp_carry, dst, _take(state.mtp_carry, srcs)))
 
 
 def deactivate(state: SlotState, slots) -> SlotState:
@@ -162,6 +198,54 @@ def choose_tokens(logits, temperature, top_k, top_p, seed_lo, seed_hi, index, ba
     return vocab_argmax(logits, tp)
 
 
+PROCESSING_FIELDS = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens",
+                     "bias_ids", "bias_vals")
+LOGPROB_COLUMNS = 1 + 2 * MAX_LOGPROBS  # per position: the token's logprob, the top ids, their logprobs
+
+
+def neutral_processing(b: int) -> dict:
+    """Logits-processing settings that change nothing, for ``b`` admission rows (:data:`PROCESSING_FIELDS`, numpy)."""
+    import numpy as np
+
+    return {"min_p": np.zeros((b,), np.float32), "repetition_penalty": np.ones((b,), np.float32),
+            "frequency_penalty": np.zeros((b,), np.float32), "presence_penalty": np.zeros((b,), np.float32),
+            "min_tokens": np.zeros((b,), np.int32),
+            "bias_ids": np.full((b, MAX_LOGIT_BIAS), np.iinfo(np.int32).max, np.int32),
+            "bias_vals": np.zeros((b, MAX_LOGIT_BIAS), np.float32)}
+
+
+def choose_processed(logits, field, window, index, generated, backend: Backend):
+    """:func:`choose_tokens` with the logits processing (:func:`jaxmtp.sampling.process_logits`) and the raw
+    log-probabilities. logits: [B, T, V / tp]; ``field(name)``: that :class:`SlotState` field of these rows;
+    window: [B, T - 1] drafts; index: [B, T] output positions; generated: [B]. Returns (tokens [B, T], packed
+    logprobs [B, T * LOGPROB_COLUMNS] int32: :func:`unpack_logprobs`)."""
+    full = gather_vocab(logits, backend.parallel).astype(jnp.float32)
+    x = process_logits(full, window, field("counts"), field("seen"), field("bias_ids"), field("bias_vals"),
+                       field("repetition_penalty"), field("frequency_penalty"), field("presence_penalty"),
+                       field("min_tokens"), generated, field("stop_ids"))
+    t = sample_tokens(x, field("temperature"), field("top_k"), field("top_p"), field("seed_lo"), field("seed_hi"),
+                      index, field("min_p"))
+    lp, top_ids, top_lp = token_logprobs(full, t)
+    f2i = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    packed = jnp.concatenate([f2i(lp)[..., None], top_ids, f2i(top_lp)], axis=-1)  # [B, T, LOGPROB_COLUMNS]
+    return t, packed.reshape(t.shape[0], -1)
+
+
+def unpack_logprobs(packed):
+    """[..., T * LOGPROB_COLUMNS] int32 (numpy) -> (logprob [..., T], top ids [..., T, N], top logprobs)."""
+    import numpy as np
+
+    a = np.asarray(packed).reshape(packed.shape[:-1] + (-1, LOGPROB_COLUMNS))
+    n = MAX_LOGPROBS
+    return a[..., 0].view(np.float32), a[..., 1 : 1 + n], a[..., 1 + n :].view(np.float32)
+
+
+def _count_emitted(counts, tokens, n_emit):
+    """Add each row's first ``n_emit`` [B] of ``tokens`` [B, T] to its output counts [B, V]."""
+    keep = jnp.arange(tokens.shape[1])[None] < n_emit[:, None]
+    return counts.at[jnp.arange(tokens.shape[0])[:, None], jnp.where(keep, tokens, UNUSED_ID)].add(1, mode="drop")
+
+
 def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backend):
     """Draft 1 from the first pass's hidden h1 [B, H] and its head's ``choice`` (``mtp_forward(logits="choice")``),
     then recursive MTP steps 2..k (token d_{i}, MTP hidden, position new_length + i - 1; each pass's input formed
@@ -194,9 +278,11 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
     generated0 = jnp.zeros_like(n_valid)
-    first = choose_tokens(lm_head(params, h_last, backend)[:, None], row(state.temperature), row(state.top_k),
-                          row(state.top_p), row(state.seed_lo), row(state.seed_hi), generated0[:, None],
-                          backend)[:, 0]
+    # the first token always goes through the processing (an identity for requests that set none of it)
+    first, logprobs = choose_processed(lm_head(params, h_last, backend)[:, None], lambda n: row(getattr(state, n)),
+                                       jnp.zeros((slots.shape[0], 0), jnp.int32), generated0[:, None], generated0,
+                                       backend)
+    first = first[:, 0]
     prompt_len = jnp.max(positions, axis=1) + 1
     new_state = state.replace(carry=_put(state.carry, slots, carry))
 
@@ -221,23 +307,31 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         length=put(state.length, prompt_len), last=put(state.last, first),
         drafts=put(state.drafts, drafts) if k > 0 else state.drafts,
         generated=put(state.generated, n_emit), active=put(state.active, ~finished),
+        counts=state.counts.at[fslots, first].add(1, mode="drop"),
     )
-    return new_state, first, finished & final, reason
+    return new_state, first, finished & final, reason, logprobs
 
 
-def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: Backend, sampling: bool = True):
+def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: Backend, sampling: bool = True,
+              features: bool = False):
     """One verify/accept/rollback/draft step for every slot. Returns (state, StepOut dict).
 
     ``sampling=False`` compiles greedy choice only: right when no slot that counts has temperature > 0, and without
-    the sampling conditional, whose predicate costs a host round trip inside the step on GPUs (docs/engine.md)."""
+    the sampling conditional, whose predicate costs a host round trip inside the step on GPUs (docs/engine.md).
+    ``features``: with the logits processing and log-probabilities (:func:`choose_processed`; implies sampling),
+    each position's history holding the drafts before it; the output counts advance by the emitted tokens."""
     act = state.active
     tokens = jnp.concatenate([state.last[:, None], state.drafts[:, :k]], axis=1) if k else state.last[:, None]
     pos = jnp.where(act[:, None], state.length[:, None] + jnp.arange(k + 1), -1)
     logits, hidden, carry = forward(params, tokens, pos, state.carry, cfg=cfg, logits="all", step_states=k > 0,
                                     backend=backend)
     index = state.generated[:, None] + jnp.arange(k + 1)
-    t = choose_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index,
-                      backend, sampling)
+    if features:
+        window = state.drafts[:, :k] if k else jnp.zeros((tokens.shape[0], 0), jnp.int32)
+        t, logprobs = choose_processed(logits, lambda n: getattr(state, n), window, index, state.generated, backend)
+    else:
+        t = choose_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index,
+                          backend, sampling)
     if k > 0:
         a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
         n = a + 1
@@ -254,14 +348,19 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     new_last = jnp.take_along_axis(t, a[:, None], axis=1)[:, 0]
     new = state.replace(carry=carry, length=new_length, last=jnp.where(act, new_last, state.last),
                         generated=state.generated + n_emit, active=act & ~finished)
+    if features:
+        new = new.replace(counts=_count_emitted(state.counts, t, n_emit))
     if k > 0:
         choice, hm, mtp = mtp_forward(params, t, hidden, pos, state.mtp_carry, cfg=cfg, logits="choice",
                                       backend=backend, out_rows=a)
         drafts, mtp = _draft_rest(params, cfg, k, hm[:, 0], choice, new_length, new.active, mtp, backend)
         drafts = apply_oracle(state.oracle, drafts, new_length, new.generated, cfg.vocab_size)
         new = new.replace(mtp_carry=mtp, drafts=drafts)
-    return new, {"tokens": t, "n_emit": n_emit, "accepted": jnp.where(act, a, 0), "finished": finished,
-                 "reason": reason, "was_active": act}
+    out = {"tokens": t, "n_emit": n_emit, "accepted": jnp.where(act, a, 0), "finished": finished,
+           "reason": reason, "was_active": act}
+    if features:
+        out["logprobs"] = logprobs
+    return new, out
 
 
 def _map_slot_arrays(fn, state: SlotState, *others: SlotState) -> SlotState:
@@ -301,28 +400,31 @@ def run_steps_on_prefix(params, state: SlotState, *, n: int, **kw):
 
 
 def run_steps(params, state: SlotState, *, cfg: Qwen35Config, k: int, num_steps: int, backend: Backend,
-              skip_idle: bool = True, unroll: int = 1, sampling: bool = True):
+              skip_idle: bool = True, unroll: int = 1, sampling: bool = True, features: bool = False):
     """``num_steps`` speculative steps in one device loop (with ``skip_idle``, steps with no active slot are skipped
-    by a conditional; else they run masked). ``unroll``: steps per loop iteration (``lax.scan``'s). ``sampling``: as
-    :func:`spec_step` (False: every active slot is greedy).
+    by a conditional; else they run masked). ``unroll``: steps per loop iteration (``lax.scan``'s). ``sampling``,
+    ``features``: as :func:`spec_step` (sampling False: every active slot is greedy).
 
-    Returns (state, outputs stacked over steps: tokens [N, S, k+1], n_emit/accepted/finished/reason [N, S]).
+    Returns (state, outputs stacked over steps: tokens [N, S, k+1], n_emit/accepted/finished/reason [N, S]; with
+    ``features`` also logprobs [N, S, (k+1) * LOGPROB_COLUMNS], :func:`unpack_logprobs`).
     """
-    step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend, sampling=sampling)
+    step = functools.partial(spec_step, cfg=cfg, k=k, backend=backend, sampling=sampling, features=features)
     s = state.length.shape[0]
+    width = k + 1 + len(_ROW_OUTPUTS) + ((k + 1) * LOGPROB_COLUMNS if features else 0)
 
     def body(st, _):
         if not skip_idle:
             return _pack(step(params, st))
         return jax.lax.cond(jnp.any(st.active), lambda x: _pack(step(params, x)),
-                            lambda x: (x, jnp.zeros((s, k + 1 + len(_ROW_OUTPUTS)), jnp.int32)), st)
+                            lambda x: (x, jnp.zeros((s, width), jnp.int32)), st)
 
     state, packed = jax.lax.scan(body, state, None, length=num_steps, unroll=unroll)
     return state, _unpack_outputs(packed, k)
 
 
-# A step's outputs travel as one int32 array [S, k + 1 + 5] (tokens, then one column per row output): the loop then
-# writes one output buffer per step instead of six, each write a kernel of its own (docs/engine.md).
+# A step's outputs travel as one int32 array [S, k + 1 + 5] (tokens, then one column per row output; the feature
+# loops append the packed logprobs): the loop then writes one output buffer per step instead of six, each write a
+# kernel of its own (docs/engine.md).
 _ROW_OUTPUTS = ("n_emit", "accepted", "finished", "reason", "was_active")
 _BOOL_OUTPUTS = ("finished", "was_active")
 
@@ -331,7 +433,8 @@ def _pack(step_result):
     """(state, outputs dict) -> (state, [S, k + 1 + 5] int32)."""
     st, out = step_result
     cols = [out[name].astype(jnp.int32)[:, None] for name in _ROW_OUTPUTS]
-    return st, jnp.concatenate([out["tokens"].astype(jnp.int32)] + cols, axis=1)
+    extra = [out["logprobs"]] if "logprobs" in out else []
+    return st, jnp.concatenate([out["tokens"].astype(jnp.int32)] + cols + extra, axis=1)
 
 
 def _unpack_outputs(packed: jax.Array, k: int) -> dict:
@@ -340,4 +443,6 @@ def _unpack_outputs(packed: jax.Array, k: int) -> dict:
     for i, name in enumerate(_ROW_OUTPUTS):
         col = packed[..., k + 1 + i]
         out[name] = col.astype(bool) if name in _BOOL_OUTPUTS else col
+    if packed.shape[-1] > k + 1 + len(_ROW_OUTPUTS):
+        out["logprobs"] = packed[..., k + 1 + len(_ROW_OUTPUTS):]
     return out

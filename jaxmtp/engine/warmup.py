@@ -4,12 +4,13 @@ An engine's device functions come in shapes (keys):
 
 * ``("prefill", rows, chunk)``: a prompt chunk for ``rows`` prompts (rows 1, 2, 4 .. max_prefill_batch; chunk
   16, 64, 256 .. prefill_chunk);
-* ``("step", width, sampling)``: the loop of ``steps_per_sync`` speculative steps over slots ``0 .. width-1`` (each
-  slot bucket), greedy only or with sampling.
+* ``("step", width, mode)``: the loop of ``steps_per_sync`` speculative steps over slots ``0 .. width-1`` (each
+  slot bucket), greedy only, with sampling, or with :data:`FEATURES` (logits processing and log-probabilities).
 
-:func:`serving_keys` is the smallest set that serves every request: the sampling loop over all slots (it decodes
-greedy requests too, and any busy prefix of slots) and a one-row prefill of the largest chunk (prompts split at the
-same boundaries as with every bucket). With ``Engine.warmup(background=True)`` only those compile before the call
+:func:`serving_keys` is the smallest set that serves every request that processes no logits: the sampling loop over
+all slots (it decodes greedy requests too, and any busy prefix of slots) and a one-row prefill of the largest chunk
+(prompts split at the same boundaries as with every bucket). The feature loops are not in a default warm-up: they
+compile in the background after the rest, or at the first request that needs one. With ``Engine.warmup(background=True)`` only those compile before the call
 returns; a daemon thread compiles the rest (:func:`background_order`), and until one is ready the engine runs a
 compiled substitute (:meth:`Engine._loop_for`, :meth:`Engine._prefill_shape`): same tokens, more padding.
 """
@@ -38,14 +39,23 @@ def prefill_key(rows: int, chunk: int) -> tuple:
     return ("prefill", rows, chunk)
 
 
-def step_key(width: int, sampling: bool) -> tuple:
-    return ("step", width, sampling)
+FEATURES = "features"  # a step loop's mode beside False (greedy only) and True (sampling): logits processing
+
+
+def step_key(width: int, mode) -> tuple:
+    """A step loop's key; ``mode``: False (greedy only), True (sampling) or :data:`FEATURES` (sampling, logits
+    processing and log-probabilities, :func:`jaxmtp.engine.steps.spec_step`)."""
+    return ("step", width, mode)
+
+
+def _mode_rank(mode) -> int:
+    return 2 if mode == FEATURES else int(bool(mode))
 
 
 def key_name(key: tuple) -> str:
     if key[0] == "prefill":
         return f"prefill[{key[1]}x{key[2]}]"
-    return f"step[{key[1]}]" + ("+sampling" if key[2] else "")
+    return f"step[{key[1]}]" + {0: "", 1: "+sampling", 2: "+features"}[_mode_rank(key[2])]
 
 
 @dataclasses.dataclass
@@ -92,12 +102,13 @@ def serving_keys(slot_buckets: list[int], prefill_chunk: int) -> list[tuple]:
 
 def background_order(keys, slot_buckets: list[int]) -> list[tuple]:
     """The rest, most useful first: greedy and sampling loops of the narrowest buckets (one busy request is the
-    common case), short one-row prefills, then wider loops and batched prefills."""
+    common case), short one-row prefills, then wider loops and batched prefills; the feature loops last."""
 
     def rank(key):
         if key[0] == "step":
-            return (slot_buckets.index(key[1]), 0, key[2])
-        return (key[1].bit_length() - 1, 1, key[2])
+            mode = _mode_rank(key[2])
+            return (len(slot_buckets) if mode == 2 else 0, slot_buckets.index(key[1]), 0, mode)
+        return (0, key[1].bit_length() - 1, 1, key[2])
 
     return sorted(keys, key=rank)
 
