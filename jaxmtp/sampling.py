@@ -51,6 +51,8 @@ class SamplingParams:
     ``logprobs`` N (0..:data:`MAX_LOGPROBS`): every output token comes with its log-probability and the N most
     likely ids with theirs, under the target model's own distribution (log-softmax of its logits, before the
     processing, temperature and filters above: vLLM's default ``raw_logprobs``). None: no log-probabilities.
+    ``prompt_logprobs`` N: the same for every prompt token after the first (given the tokens before it); such a
+    request prefills in chunks of its own and takes no prefix-cache hit (every position must run).
     """
 
     max_new_tokens: int = 128
@@ -68,6 +70,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {id: value} is accepted and stored sorted
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self):
@@ -120,12 +123,18 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: none), "
                              f"got {self.logprobs!r}")
 
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: none), "
+                             f"got {self.prompt_logprobs!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     def sample(self, i: int) -> "SamplingParams":
-        """The settings of sample ``i`` of ``n``: seed + i, one sample."""
-        return dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63)
+        """The settings of sample ``i`` of ``n``: seed + i, one sample (the prompt's log-probabilities with the first)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63,
+                                   prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     @property
     def processes_logits(self) -> bool:

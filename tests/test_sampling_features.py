@@ -275,3 +275,26 @@ def test_n_samples_abort_together_and_need_the_slots(engine, rng):
         outs += eng.step()
     assert sorted(o.index for o in outs if o.finished) == [0, 1]
     assert {o.finish_reason for o in outs if o.finished} == {"abort"} and not eng.abort(rid)
+
+
+def test_prompt_logprobs_equal_a_full_forward(model, engine, rng):
+    """Prompt log-probabilities over several chunks (one shared by n = 2 samples): a full forward's, the first
+    prompt token's None; the outputs equal a request without them."""
+    prompt = rng.integers(0, EOS, 41).tolist()  # chunks of 16, 16, then the rest
+    p = SamplingParams(max_new_tokens=5, ignore_eos=True, prompt_logprobs=3, logprobs=1, n=2)
+    eng = engine(3)
+    rid = eng.add_request(prompt, p)
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    with_lps = [o for o in outs if o.prompt_logprobs is not None]
+    assert [o.index for o in with_lps] == [0] and with_lps[0].request_id == rid
+    got = with_lps[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    ref = log_softmax(model.logits(np.asarray([prompt]))[0])
+    np.testing.assert_allclose([g.logprob for g in got[1:]], ref[np.arange(40), prompt[1:]], atol=1e-5)
+    assert [g.token_id for g in got[1:]] == prompt[1:]
+    for g, row in zip(got[1:], ref):
+        np.testing.assert_allclose([v for _, v in g.top], np.sort(row)[::-1][:3], atol=1e-5)
+    plain = run(eng, [prompt], SamplingParams(max_new_tokens=5, ignore_eos=True))[0][0]
+    assert [t for o in outs if o.index == 0 for t in o.token_ids] == plain

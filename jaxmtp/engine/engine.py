@@ -100,6 +100,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     logprobs: list[TokenLogprob] | None = None  # one per id in token_ids, when the request asked for them
     index: int = 0  # which of the request's ``n`` samples
+    # with SamplingParams.prompt_logprobs, in the output that carries the first token: one per prompt token (None for
+    # the first, which follows nothing)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -126,6 +129,7 @@ class _Request:
     index: int = 0  # sample index (SamplingParams.n)
     group: list | None = None  # every sample of the request, index order (None: n = 1)
     waiting: bool = False  # a sample past the first, until the first's prefill is copied into its slot
+    prompt_lps: list | None = None  # the prompt's log-probabilities so far (SamplingParams.prompt_logprobs)
 
 
 def _set_processing_row(rows: dict, i: int, p: SamplingParams) -> None:
@@ -272,6 +276,14 @@ class Engine:
                 prefill = data_parallel_prefill(prefill)
             prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep, rep))
         self._prefill = jax.jit(counted("prefill", prefill), donate_argnums=1)
+        # requests with prompt_logprobs: one row at a time, compiled at the first such request (not in the warm-up)
+        prefill_lp = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
+                                       prompt_logprobs=True)
+        if layout is not None:
+            if dp > 1:
+                prefill_lp = data_parallel_prefill(prefill_lp)
+            prefill_lp = layout.shard_map(prefill_lp, (s_spec,) + (rep,) * 5, (s_spec,) + (rep,) * 5)
+        self._prefill_lp = jax.jit(counted("prefill+prompt_logprobs", prefill_lp), donate_argnums=1)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
@@ -489,6 +501,8 @@ class Engine:
         max_blocks = (self.max_context + self.k) // idx.granularity
         for r in new:
             r.keys = idx.prompt_keys(r.prompt)  # hashed once: the lookup here, the snapshots its prefill publishes
+            if r.params.prompt_logprobs is not None:  # every position must run (it still publishes)
+                continue
             hit = idx.lookup(r.prompt, r.keys)
             if hit is None:
                 continue
@@ -580,13 +594,24 @@ class Engine:
     def _prefill_once(self, outputs) -> bool:
         """One chunk for every prefilling request; True if some prompt finished (its first token is out)."""
         pending = [r for r in self._slots if r is not None and r.prefilled < self._prefill_end(r) and not r.done]
+        alone = [r for r in pending if r.params.prompt_logprobs is not None]  # one row each, logits at every position
+        pending = [r for r in pending if r.params.prompt_logprobs is None]
         completed = False
         batch = self._prefill_rows_limit()
-        for group_start in range(0, len(pending), batch):
-            group = pending[group_start : group_start + batch]
+        groups = [pending[i : i + batch] for i in range(0, len(pending), batch)] + [[r] for r in alone]
+        for group in groups:
             completed |= self._prefill_group(group, outputs)
         self._fork_samples()
         return completed
+
+    def _add_prompt_logprobs(self, r: _Request, lps, end: int) -> None:
+        """Record the prompt log-probabilities of a chunk of ``r`` that ended at ``end``: position p's are those of
+        prompt token p + 1 (the last prompt position's belong to the first output token, not kept)."""
+        if r.prompt_lps is None:
+            r.prompt_lps = [None]  # the first prompt token follows nothing
+        start = len(r.prompt_lps) - 1
+        ids = [int(t) for t in r.prompt[start + 1 : min(end + 1, r.prompt.size)]]
+        r.prompt_lps += _token_logprobs(lps, (0,), ids, r.params.prompt_logprobs)
 
     def _prefill_end(self, r: _Request) -> int:
         """How far ``r``'s prompt prefills now: all of it; for the first of n samples while the others wait, all
@@ -645,8 +670,12 @@ class Engine:
             r.prefilled += n
             self.prefilled_tokens += n
             ends.append(start + n)
-        self.state, first, finished, reason, logprobs = self._prefill(
-            self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
+        args = (self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
+        if group[0].params.prompt_logprobs is not None:  # a group of one (_prefill_once)
+            self.state, first, finished, reason, logprobs, prompt_lps = self._prefill_lp(*args)
+            self._add_prompt_logprobs(group[0], steps.unpack_logprobs(np.asarray(prompt_lps)), ends[0])
+        else:
+            self.state, first, finished, reason, logprobs = self._prefill(*args)
         if self.prefix_cache is not None:
             for r, end, fin in zip(group, ends, final):
                 if not fin and end % self.prefix_cache.granularity == 0:
@@ -662,6 +691,8 @@ class Engine:
             if not final[i]:
                 continue
             r.first_token_time = now
+            if r.prompt_lps is not None:
+                self._out(outputs, r).prompt_logprobs = r.prompt_lps
             self._emit(outputs, r, [int(first[i])],
                        None if r.params.logprobs is None else _token_logprobs(lps, (i,), [int(first[i])],
                                                                               r.params.logprobs))

@@ -262,17 +262,42 @@ def _draft_rest(params, cfg, k, h1, choice, new_length, active, mtp_carry, backe
     return jnp.stack(drafts, axis=1), mtp_carry
 
 
+PROMPT_LOGPROB_ROWS = 16  # chunk positions whose logits a prompt-logprobs prefill holds at a time
+
+
+def _prompt_logprobs(params, hidden, next_tokens, backend: Backend):
+    """Packed raw log-probabilities [Bp, C * LOGPROB_COLUMNS] of ``next_tokens`` [Bp, C] after each position of
+    ``hidden`` [Bp, C, H], computed PROMPT_LOGPROB_ROWS positions at a time (the logits of a whole chunk would be
+    C x V floats per row)."""
+    b, c, h = hidden.shape
+    r = min(PROMPT_LOGPROB_ROWS, c)
+
+    def part(args):
+        hid, nxt = args  # [Bp, r, H], [Bp, r]
+        full = gather_vocab(lm_head(params, hid, backend), backend.parallel)
+        lp, top_ids, top_lp = token_logprobs(full, nxt)
+        f2i = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+        return jnp.concatenate([f2i(lp)[..., None], top_ids, f2i(top_lp)], axis=-1)  # [Bp, r, COLUMNS]
+
+    parts = jax.lax.map(part, (hidden.reshape(b, c // r, r, h).swapaxes(0, 1),
+                               next_tokens.reshape(b, c // r, r).swapaxes(0, 1)))  # [C / r, Bp, r, COLUMNS]
+    return parts.swapaxes(0, 1).reshape(b, -1)
+
+
 def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_tokens, final, *, cfg: Qwen35Config,
-                  k: int, backend: Backend):
+                  k: int, backend: Backend, prompt_logprobs: bool = False):
     """Run one prompt chunk for rows ``slots`` [Bp] (ids >= num_slots are dummies).
 
     tokens/positions: [Bp, C] right-padded (positions -1 on padding); next_tokens: [Bp, C], the token after each
     position (the MTP's input; ignored at a final row's last position, which takes the sampled first token);
     final: [Bp] bool, the chunk ends the prompt. For final rows the first token is sampled, drafts are made and the
-    slot becomes active. Returns (state, first_token [Bp], finished [Bp], reason [Bp]).
+    slot becomes active. Returns (state, first_token [Bp], finished [Bp], reason [Bp], the first token's packed
+    log-probabilities [Bp, LOGPROB_COLUMNS]); with ``prompt_logprobs`` also those of ``next_tokens`` after every
+    position [Bp, C * LOGPROB_COLUMNS] (C a multiple of PROMPT_LOGPROB_ROWS, or less than it).
     """
     carry = _take(state.carry, slots)
     _, hidden, carry = forward(params, tokens, positions, carry, cfg=cfg, logits="none", backend=backend)
+    prompt_lps = _prompt_logprobs(params, hidden, next_tokens, backend) if prompt_logprobs else None
     n_valid = jnp.sum(positions >= 0, axis=1)
     last_idx = jnp.maximum(n_valid - 1, 0)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
@@ -309,6 +334,8 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
         generated=put(state.generated, n_emit), active=put(state.active, ~finished),
         counts=state.counts.at[fslots, first].add(1, mode="drop"),
     )
+    if prompt_logprobs:
+        return new_state, first, finished & final, reason, logprobs, prompt_lps
     return new_state, first, finished & final, reason, logprobs
 
 
