@@ -13,6 +13,7 @@ _EXPORTS = {
     "Engine": "jaxmtp.engine",
     "EngineConfigError": "jaxmtp.engine",
     "memory_plan": "jaxmtp.engine",
+    "TokenLogprob": "jaxmtp.engine",
     "GenerationResult": "jaxmtp.generation",
     "StreamChunk": "jaxmtp.generation",
     "generate": "jaxmtp.generation",

@@ -1,11 +1,12 @@
 """``jaxmtp.generate``: the library call (and ``python -m jaxmtp``, its command-line form).
 
     results = jaxmtp.generate(model_or_path, prompts, max_new_tokens=..., temperature=0.0, top_k=0, top_p=1.0,
-                              seed=None, num_draft_tokens=None, stop=None, ...)
+                              seed=None, num_draft_tokens=None, stop=None, logprobs=None, n=1, ...)
 
 ``prompts`` is a string, a list of token ids, a list of chat messages (``{"role", "content"}`` dicts, rendered with
 the checkpoint's chat template), or a list of those (a batch). A single prompt gives a single
-:class:`GenerationResult`, a batch a list. ``generate_stream`` yields :class:`StreamChunk` s as tokens are accepted.
+:class:`GenerationResult`, a batch a list. With ``n`` > 1 samples per prompt, each prompt's result is a list of
+``n`` GenerationResults (sample order). ``generate_stream`` yields :class:`StreamChunk` s as tokens are accepted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxmtp.engine.engine import Engine, RequestOutput, SpecStats
+from jaxmtp.engine.engine import Engine, RequestOutput, SpecStats, TokenLogprob
 from jaxmtp.loaded_model import Model, load
 from jaxmtp.sampling import SamplingParams
 
@@ -31,6 +32,7 @@ class GenerationResult:
     finish_reason: str
     prompt_token_ids: list[int]
     stats: dict
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when ``logprobs`` was set
 
     def __str__(self) -> str:
         return self.text if self.text is not None else str(self.token_ids)
@@ -41,9 +43,11 @@ class StreamChunk:
     index: int  # which prompt of the batch
     token_ids: list[int]
     text: str
-    finished: bool = False
+    finished: bool = False  # this sample of this prompt ended
     finish_reason: str | None = None
     stats: dict | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when ``logprobs`` was set
+    sample: int = 0  # which of the prompt's ``n`` samples
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------
@@ -118,25 +122,26 @@ def get_engine(model: Model, *, num_slots: int, max_context: int, num_draft_toke
 
 
 def _prepare(model_or_path, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, stop,
-             stop_token_ids, ignore_eos, num_slots, max_context, steps_per_sync):
+             stop_token_ids, ignore_eos, num_slots, max_context, steps_per_sync, n=1, **processing):
+    """``processing``: SamplingParams' logits-processing and logprobs fields (min_p, penalties, ...)."""
     model = model_or_path if isinstance(model_or_path, Model) else load(model_or_path)
     items, batched = normalize_prompts(prompts)
     ids = [encode_prompt(model, p) for p in items]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                             top_p=float(top_p), seed=seed, stop=tuple([stop] if isinstance(stop, str) else stop or ()),
-                            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos)
+                            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, n=n, **processing)
     limit = model.config.max_position_embeddings
     if max_context is None:
         max_context = min(limit, _pow2(max(len(x) for x in ids) + max_new_tokens, 256))
-    num_slots = num_slots or min(64, _pow2(len(ids), 1))
+    num_slots = num_slots or max(n, min(64, _pow2(len(ids) * n, 1)))  # n samples: n slots
     engine = get_engine(model, num_slots=num_slots, max_context=max_context, num_draft_tokens=num_draft_tokens,
                         steps_per_sync=steps_per_sync)
-    # One seed per prompt: the given seed for the first, seed + i for the others, random when None.
+    # One seed per prompt: the given seed for the first, seed + i * n for the others (sample j: + j), random when None.
     for p in ids:  # validate everything before queueing anything
         engine.validate(p, params)
     rids = []
     for i, p in enumerate(ids):
-        pi = dataclasses.replace(params, seed=None if seed is None else seed + i)
+        pi = dataclasses.replace(params, seed=None if seed is None else (seed + i * n) % 2**63)
         rids.append(engine.add_request(p, pi))
     return model, engine, ids, rids, batched
 
@@ -151,18 +156,20 @@ def _stats(o: RequestOutput, k: int) -> dict:
     return d
 
 
-def _drain(engine: Engine, rids: list[str]) -> Iterator[StreamChunk]:
+def _drain(engine: Engine, rids: list[str], n: int = 1) -> Iterator[StreamChunk]:
     index = {r: i for i, r in enumerate(rids)}
-    pending = set(rids)
+    pending = dict.fromkeys(rids, n)  # request id -> samples not finished
     try:
         while pending:
             for o in engine.step():
                 if o.request_id not in index:
                     continue
                 if o.finished:
-                    pending.discard(o.request_id)
+                    pending[o.request_id] -= 1
+                    if not pending[o.request_id]:
+                        del pending[o.request_id]
                 yield StreamChunk(index[o.request_id], o.token_ids, o.text, o.finished, o.finish_reason,
-                                  _stats(o, engine.k) if o.finished else None)
+                                  _stats(o, engine.k) if o.finished else None, o.logprobs, o.index)
     finally:  # a consumer that stops early must not leave requests running
         for r in pending:
             engine.abort(r)
@@ -173,44 +180,71 @@ def _drain(engine: Engine, rids: list[str]) -> Iterator[StreamChunk]:
 def generate_stream(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     num_draft_tokens: int | None = None, stop=None, stop_token_ids=None, ignore_eos: bool = False,
-                    num_slots: int | None = None, max_context: int | None = None,
-                    steps_per_sync: int = 8) -> Iterator[StreamChunk]:
+                    min_p: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    repetition_penalty: float = 1.0, logit_bias=None, min_tokens: int = 0,
+                    logprobs: int | None = None, n: int = 1, num_slots: int | None = None,
+                    max_context: int | None = None, steps_per_sync: int = 8) -> Iterator[StreamChunk]:
     """Yield :class:`StreamChunk` s (several token ids each) as the engine accepts them; the last chunk of each
-    prompt has ``finished=True``, its finish reason and statistics. Arguments as in :func:`generate`."""
+    prompt (of each sample, with ``n`` > 1: ``StreamChunk.sample``) has ``finished=True``, its finish reason and
+    statistics. Arguments as in :func:`generate`."""
     _, engine, _, rids, _ = _prepare(
         model_or_path, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync)
-    yield from _drain(engine, rids)
+        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, n=n)
+    yield from _drain(engine, rids, n)
 
 
 def generate(model_or_path, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, num_draft_tokens: int | None = None, stop=None,
-             stop_token_ids=None, ignore_eos: bool = False, num_slots: int | None = None,
-             max_context: int | None = None, steps_per_sync: int = 8):
+             stop_token_ids=None, ignore_eos: bool = False, min_p: float = 0.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias=None, min_tokens: int = 0,
+             logprobs: int | None = None, n: int = 1, num_slots: int | None = None, max_context: int | None = None,
+             steps_per_sync: int = 8):
     """Generate for one prompt (returns a :class:`GenerationResult`) or a batch (returns a list).
 
     ``num_draft_tokens`` is k, the MTP draft tokens verified per step (0 = plain decoding; None = the engine's
     default for the model and slot count, see :mod:`jaxmtp.engine.policy`). Greedy output (temperature 0) is token-for-token the same for every k; a seeded
     sampled output is the same for every k and batch composition. With a batch, prompt i uses seed + i.
+
+    The logits processing (``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+    ``logit_bias`` {token id: value}, ``min_tokens``) is :class:`jaxmtp.SamplingParams`'. ``logprobs`` N: each result
+    carries ``logprobs``, one :class:`jaxmtp.engine.TokenLogprob` per output token (its log-probability and the N
+    most likely ids with theirs, under the model's raw distribution: before temperature, penalties, bias, filters).
+
+    ``n``: samples per prompt (1..128, and the engine needs a slot per sample: ``num_slots`` defaults to enough).
+    Each prompt's result is then a list of ``n`` GenerationResults in sample order (so a batch gives a list of
+    lists); the prompt is prefilled once; sample j of prompt i uses seed + i * n + j (n = 1: seed + i, as above).
     """
     model, engine, prompt_ids, rids, batched = _prepare(
         model_or_path, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync)
-    texts = [[] for _ in rids]
-    ids = [[] for _ in rids]
-    final: list[StreamChunk | None] = [None] * len(rids)
-    for c in _drain(engine, rids):
-        texts[c.index].append(c.text)
-        ids[c.index].extend(c.token_ids)
+        ignore_eos=ignore_eos, num_slots=num_slots, max_context=max_context, steps_per_sync=steps_per_sync,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, n=n)
+    keys = [(i, j) for i in range(len(rids)) for j in range(n)]  # (prompt, sample)
+    texts = {key: [] for key in keys}
+    ids = {key: [] for key in keys}
+    lps: dict[tuple, list[TokenLogprob] | None] = dict.fromkeys(keys)
+    final: dict[tuple, StreamChunk | None] = dict.fromkeys(keys)
+    for c in _drain(engine, rids, n):
+        key = (c.index, c.sample)
+        texts[key].append(c.text)
+        ids[key].extend(c.token_ids)
+        if c.logprobs is not None:
+            if lps[key] is None:
+                lps[key] = []
+            lps[key].extend(c.logprobs)
         if c.finished:
-            final[c.index] = c
-    results = [
-        GenerationResult(text="".join(texts[i]) if model.tokenizer is not None else None, token_ids=ids[i],
-                         finish_reason=final[i].finish_reason, prompt_token_ids=prompt_ids[i], stats=final[i].stats)
-        for i in range(len(rids))
-    ]
+            final[key] = c
+
+    def result(key) -> GenerationResult:
+        return GenerationResult(text="".join(texts[key]) if model.tokenizer is not None else None,
+                                token_ids=ids[key], finish_reason=final[key].finish_reason,
+                                prompt_token_ids=prompt_ids[key[0]], stats=final[key].stats, logprobs=lps[key])
+
+    results = [[result((i, j)) for j in range(n)] if n > 1 else result((i, 0)) for i in range(len(rids))]
     return results if batched else results[0]
 
 

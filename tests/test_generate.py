@@ -53,6 +53,22 @@ def test_stop_string_across_stream_chunks_is_never_leaked(model):
             assert all(len(c.token_ids) == 1 for c in chunks[1:]) and len(chunks) >= 3
 
 
+def test_n_samples_are_lists_of_seeded_results(model):
+    """n=2: one prompt gives a list of two results, sample j with seed + j; a batch gives a list of lists (prompt
+    i's sample j: seed + 2i + j); the stream names each chunk's sample and ends each sample once."""
+    kw = dict(max_new_tokens=10, temperature=1.0, ignore_eos=True, num_slots=4)
+    singles = jaxmtp.generate(model, [[5, 6, 7]] * 2 + [[8, 9]] * 2, seed=20, **kw)  # prompt i: seed 20 + i
+    two = jaxmtp.generate(model, [5, 6, 7], n=2, seed=20, **kw)
+    assert isinstance(two, list) and [r.token_ids for r in two] == [r.token_ids for r in singles[:2]]
+    assert two[0].token_ids != two[1].token_ids and two[1].prompt_token_ids == [5, 6, 7]
+    batch = jaxmtp.generate(model, [[5, 6, 7], [8, 9]], n=2, seed=20, **kw)
+    assert [[r.token_ids for r in b] for b in batch] == [[r.token_ids for r in singles[:2]],
+                                                         [r.token_ids for r in singles[2:]]]
+    chunks = list(jaxmtp.generate_stream(model, [5, 6, 7], n=2, seed=20, **kw))
+    assert sorted(c.sample for c in chunks if c.finished) == [0, 1]
+    assert [[t for c in chunks if c.sample == j for t in c.token_ids] for j in (0, 1)] == [r.token_ids for r in two]
+
+
 def test_streaming_yields_several_ids_per_chunk_and_matches_generate(model):
     full = jaxmtp.generate(model, [3, 1, 4, 1, 5], max_new_tokens=20, temperature=0.7, seed=11, num_draft_tokens=0,
                            ignore_eos=True, num_slots=4)
@@ -77,7 +93,13 @@ def test_bad_prompts(model, bad, message):
 
 def test_bad_parameters_queue_nothing(model):
     for kwargs, message in (({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                            ({"max_new_tokens": 0}, "max_new_tokens"), ({"seed": -3}, "seed")):
+                            ({"max_new_tokens": 0}, "max_new_tokens"), ({"seed": -3}, "seed"),
+                            ({"min_p": 2.0}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+                            ({"frequency_penalty": -3}, "frequency_penalty"),
+                            ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                            ({"logit_bias": {5: 500}}, "logit_bias"), ({"logit_bias": {VOCAB: 1}}, "logit_bias"),
+                            ({"min_tokens": 200}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+                            ({"n": 0}, "n must be"), ({"n": 5}, "n=5 samples need as many slots")):
         with pytest.raises(ValueError, match=message):
             jaxmtp.generate(model, ["ok", "fine"], num_slots=4, **kwargs)
     with pytest.raises(ValueError, match="does not fit the context"):

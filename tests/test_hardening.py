@@ -123,7 +123,7 @@ def test_engine_text_work_per_step_does_not_grow_with_the_output():
         for _ in range(n):
             outputs.clear()
             host._emit(outputs, req, [a] * 4)
-            text.append(outputs["r"].text)
+            text.append(outputs[("r", 0)].text)
         return (time.perf_counter() - t0) / n
 
     steps(2000)  # 8,000 characters of output

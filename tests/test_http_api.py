@@ -397,9 +397,15 @@ def test_disconnect_frees_the_slot_and_a_full_queue_is_429(base, oai, grpc_clien
 
 CHAT = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = {
-    "n": (dict(n=2), "'n'"),
-    "logprobs": (dict(logprobs=True), "'logprobs'"),
-    "penalty": (dict(presence_penalty=0.5), "'presence_penalty'"),
+    "n above the slots": (dict(n=5), "'n' is 5: 5 samples need as many slots, and the server has 4"),
+    "n zero": (dict(n=0), "'n' must be in [1, 128], got 0"),
+    "n above 128": (dict(n=129), "'n' must be in [1, 128], got 129"),
+    "top_logprobs without logprobs": (dict(top_logprobs=2), "'top_logprobs' needs"),
+    "top_logprobs": (dict(logprobs=True, top_logprobs=30), "'top_logprobs' must be in [0, 20]"),
+    "penalty": (dict(presence_penalty=3), "presence_penalty must be in [-2, 2]"),
+    "min_p": (dict(extra_body={"min_p": 2}), "min_p must be in [0, 1]"),
+    "logit_bias value": (dict(logit_bias={"5": 500}), "logit_bias values must be in [-100, 100]"),
+    "logit_bias id": (dict(logit_bias={"4096": 1}), "token id 4096 is outside the vocabulary"),
     "response_format": (dict(response_format={"type": "json_object"}), "'response_format'"),
     "unknown field": (dict(extra_body={"guided_json": {}}), "'guided_json'"),
     "tools without a tool template": (dict(tools=[WEATHER]), "no tool support"),
@@ -424,6 +430,121 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(oai, case):
     assert needle in e.value.message and e.value.body["type"] == "invalid_request_error"
 
 
+def test_logprobs_formats():
+    """OpenAI's two logprobs forms, checked against the openai package's types: tokens as their decoded strings
+    (bytes: the UTF-8 of those); a legacy completion's top_logprobs add the chosen token; text offsets."""
+    from openai.types.chat.chat_completion import ChoiceLogprobs
+    from openai.types.completion_choice import Logprobs
+
+    from jaxmtp.engine import TokenLogprob
+    from jaxmtp.serving.http_api import chat_logprobs, completion_logprobs
+
+    texts = {1: "a", 2: "é", 3: "a", 4: "<|eos|>"}.__getitem__  # 3 decodes as 1 does
+    entries = [TokenLogprob(2, -1.5, [(1, -0.1), (3, -0.3)]), TokenLogprob(4, float("-inf"), [])]
+    chat = chat_logprobs(entries, texts)
+    ChoiceLogprobs.model_validate({"content": chat})
+    a = {"token": "a", "bytes": [97]}
+    assert chat == [
+        {"token": "é", "logprob": -1.5, "bytes": [195, 169], "top_logprobs": [{**a, "logprob": -0.1},
+                                                                             {**a, "logprob": -0.3}]},
+        {"token": "<|eos|>", "logprob": -9999.0, "bytes": list(b"<|eos|>"), "top_logprobs": []}]
+    legacy = completion_logprobs(entries, texts, offset=3)
+    Logprobs.model_validate(legacy)
+    assert legacy == {"tokens": ["é", "<|eos|>"], "token_logprobs": [-1.5, -9999.0],
+                      "top_logprobs": [{"a": -0.1, "é": -1.5}, {"<|eos|>": -9999.0}], "text_offset": [3, 4]}
+
+
+def test_logprobs_equal_generate(oai, model):
+    """Greedy logprobs over HTTP (completions and chat, streamed and not) are jaxmtp.generate's, as OpenAI's forms."""
+    from openai.types.completion_choice import Logprobs
+
+    text = lambda t: model.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Reverse a list."}]
+    want = reference(model, prompt, max_new_tokens=6, ignore_eos=True, logprobs=3)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**kw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in oai.completions.create(stream=True, **kw) if c.choices[0].logprobs]
+    assert len(parts) > 1  # each chunk carries its own tokens' logprobs
+    for got in (whole, Logprobs(**{k: sum((getattr(p, k) for p in parts), []) for k in (
+            "tokens", "token_logprobs", "top_logprobs", "text_offset")})):
+        assert got.tokens == [text(w.token_id) for w in want.logprobs] == [text(t) for t in want.token_ids]
+        assert got.token_logprobs == pytest.approx([w.logprob for w in want.logprobs], abs=1e-5)
+        assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(6)]
+        for top, w in zip(got.top_logprobs, want.logprobs):
+            expected = {}
+            for t, v in w.top:
+                expected.setdefault(text(t), v)
+            assert top == pytest.approx(expected, abs=1e-5)  # the greedy token is among them
+    want = reference(model, messages, max_new_tokens=6, ignore_eos=True, logprobs=3)
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    whole = oai.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for c in oai.chat.completions.create(stream=True, **kw) if c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    for got in (whole, streamed):
+        assert [e.token for e in got] == [text(t) for t in want.token_ids]
+        for e, w in zip(got, want.logprobs):
+            assert e.logprob == pytest.approx(w.logprob, abs=1e-5) and e.bytes == list(e.token.encode())
+            assert [x.token for x in e.top_logprobs] == [text(t) for t, _ in w.top]
+            values = [x.logprob for x in e.top_logprobs]
+            assert values == sorted(values, reverse=True) and values == pytest.approx([v for _, v in w.top], abs=1e-5)
+            assert e.top_logprobs[0].token == e.token
+    no = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=False)
+    assert no.choices[0].logprobs is None
+
+
+def _streamed_choices(events, chat):
+    """Streamed chunks of n choices -> ({index: text}, {index: finish_reason}, [usage])."""
+    texts, reasons, usage = {}, {}, []
+    for ev in events:
+        if not ev.choices:
+            usage.append(ev.usage)
+            continue
+        (c,) = ev.choices
+        assert c.index not in reasons  # nothing of a sample after its finish_reason chunk
+        texts[c.index] = texts.get(c.index, "") + ((c.delta.content or "") if chat else c.text)
+        if c.finish_reason is not None:
+            reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_n_choices_equal_seeded_single_requests(oai):
+    """n=2: choice i equals the n=1 request with seed + i (text, finish_reason), streamed and not; the usage counts
+    the prompt once and both samples' tokens; greedy n=2 gives two identical choices. (No logprobs here: a feature
+    loop over two slots would compile for this test alone.)"""
+    for chat in (False, True):
+        create = oai.chat.completions.create if chat else oai.completions.create
+        kw = dict(model=MODEL, max_tokens=8, temperature=1.0, **(dict(messages=CHAT) if chat else
+                                                                  dict(prompt="def add(a, b):")))
+        singles = [create(seed=30 + i, **kw) for i in range(2)]
+        want_text = [s.choices[0].message.content if chat else s.choices[0].text for s in singles]
+        got = create(seed=30, n=2, **kw)
+        assert [c.index for c in got.choices] == [0, 1]
+        for c, s, text in zip(got.choices, singles, want_text):
+            assert (c.message.content if chat else c.text) == text and c.finish_reason == s.choices[0].finish_reason
+        assert got.usage.prompt_tokens == singles[0].usage.prompt_tokens
+        assert got.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        texts, reasons, usage = _streamed_choices(
+            create(seed=30, n=2, stream=True, stream_options={"include_usage": True}, **kw), chat)
+        assert texts == dict(enumerate(want_text)) and len(usage) == 1
+        assert reasons == {i: s.choices[0].finish_reason for i, s in enumerate(singles)}
+        assert (usage[0].prompt_tokens, usage[0].completion_tokens) == (got.usage.prompt_tokens,
+                                                                        got.usage.completion_tokens)
+    greedy = oai.completions.create(model=MODEL, prompt="import os\n", max_tokens=6, temperature=0, n=2, best_of=2,
+                                    extra_body={"ignore_eos": True})
+    assert greedy.choices[0].text == greedy.choices[1].text and greedy.usage.completion_tokens == 12
+    assert want_text[0] != want_text[1]  # (chat's) two seeds gave two different samples
+
+
+def test_logit_bias_reaches_the_engine(oai, model):
+    t = model.tokenizer.encode("x", add_special_tokens=False).ids
+    assert len(t) == 1
+    got = oai.completions.create(model=MODEL, prompt="import os\n", max_tokens=5, temperature=0,
+                                 logit_bias={str(t[0]): 100}, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == "x" * 5
+
+
 def test_other_errors(oai, base):
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
@@ -446,7 +567,7 @@ def test_metrics_parse_and_move_with_traffic(base, oai, grpc_client):
     got = oai.completions.create(model=MODEL, prompt="class Stack:", max_tokens=9, temperature=0,
                                  extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
-        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, n=5)  # more samples than slots
     over_grpc = grpc_client.generate("x", max_tokens=3, ignore_eos=True)  # one scheduler, one set of metrics
     m1 = metrics(base)
 

@@ -141,6 +141,18 @@ def test_health_protocol_is_the_standard_wire_format():
     assert back.HasField("num_draft_tokens") and not back.sampling.HasField("top_p")
 
 
+def test_logits_processing_fields_map_into_sampling_params(server):
+    """The client's keywords survive the wire and become the engine's SamplingParams; unset means off."""
+    req = build_request("ab", max_tokens=8, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.25,
+                        repetition_penalty=1.3, logit_bias={"7": 2.5, 3: -100}, min_tokens=2, logprobs=4)
+    p = server.server._params(pb.GenerateRequest.FromString(req.SerializeToString()))
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.1, 0.5, -0.25, 1.3)
+    assert p.logit_bias == ((3, -100.0), (7, 2.5)) and p.min_tokens == 2 and p.logprobs == 4
+    off = server.server._params(build_request("ab", logprobs=0))
+    assert off.logprobs == 0 and (off.min_p, off.repetition_penalty, off.logit_bias, off.min_tokens) == (0, 1, (), 0)
+    assert server.server._params(build_request("ab")).logprobs is None
+
+
 # ---- health and info -------------------------------------------------------------------------------------------
 def test_health_goes_serving_only_after_warmup(served, client):
     _, record = served
@@ -227,6 +239,85 @@ def test_stop_token_ids(client, model):
     first = full.token_ids.index(stop_id)
     done = client.generate([7, 8, 9], max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     assert done.token_ids == full.token_ids[: first + 1] and done.finish_reason == "stop"
+
+
+def check_logprobs(got, want, ids, n):
+    """Per-token logprobs: parallel to ``ids``, equal to the library's (1e-5), ``n`` alternatives, most likely
+    first, the chosen (greedy) token first among them."""
+    assert [g.token_id for g in got] == ids == [w.token_id for w in want]
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5) and g.logprob <= 0
+        assert len(g.top) == n and [t for t, _ in g.top] == [t for t, _ in w.top]
+        values = [v for _, v in g.top]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx([v for _, v in w.top], abs=1e-5)
+        if n:
+            assert g.top[0][0] == g.token_id and g.top[0][1] == pytest.approx(g.logprob, abs=1e-6)
+
+
+def test_logprobs_equal_generate(client, model):
+    want = reference(model, "def add(a, b):", max_new_tokens=8, ignore_eos=True, logprobs=3)
+    chunks, done = collect(client.stream("def add(a, b):", max_tokens=8, ignore_eos=True, logprobs=3))
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    check_logprobs(done.logprobs, want.logprobs, want.token_ids, 3)
+    assert [lp for c in chunks for lp in c.logprobs] == done.logprobs
+    assert client.generate("def add(a, b):", max_tokens=2).logprobs is None
+
+
+def test_logit_bias_and_penalties_reach_the_engine(client, model):
+    prompt = [5, 5, 5, 5]  # its plain greedy output repeats a token within 8
+    plain = client.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
+    t = next(i for i in range(40, VOCAB) if i not in plain)
+    assert client.generate(prompt, max_tokens=8, ignore_eos=True, logit_bias={t: 100}).token_ids == [t] * 8
+    banned = client.generate(prompt, max_tokens=8, ignore_eos=True, logit_bias={plain[0]: -100}).token_ids
+    assert len(banned) == 8 and plain[0] not in banned
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=2.0)
+    want = reference(model, prompt, max_new_tokens=8, ignore_eos=True, **penalties)
+    assert want.token_ids != plain
+    assert client.generate(prompt, max_tokens=8, ignore_eos=True, **penalties).token_ids == want.token_ids
+
+
+def test_n_samples_equal_separate_seeded_requests(client):
+    """n=3 in one call: sample i equals an n=1 request with seed + i (mod 2**63), each sample ends with its own
+    Complete (nothing of it after that), the stream ends after all three; stats count one request, every token."""
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.95)
+    seed = 2**63 - 2  # the third sample's seed wraps to 0
+    singles = [client.generate("def f(x):", seed=s, **kw) for s in (seed, seed + 1, 0)]
+    idle(client)
+    before = client.stats()
+    stub = pb.GenerationStub(client.channel)
+    msgs = list(stub.Generate(build_request("def f(x):", seed=seed, n=3, **kw), timeout=120))
+    after = client.stats()
+    kinds = [m.WhichOneof("response") for m in msgs]
+    assert kinds.count("complete") == 3 and kinds[-1] == "complete" and "error" not in kinds
+    ended = set()
+    for m in msgs:
+        part = m.chunk if m.HasField("chunk") else m.complete
+        assert part.index not in ended  # nothing of a sample after its Complete
+        if m.HasField("complete"):
+            ended.add(part.index)
+    assert ended == {0, 1, 2}
+    for i, want in enumerate(singles):
+        ids = [t for m in msgs if m.HasField("chunk") and m.chunk.index == i for t in m.chunk.token_ids]
+        done = next(m.complete for m in msgs if m.HasField("complete") and m.complete.index == i)
+        assert ids == want.token_ids, i
+        assert pb.finish_reason_name(done.finish_reason) == want.finish_reason and done.seed == want.seed
+        assert done.usage.completion_tokens == len(ids) and done.usage.prompt_tokens == want.prompt_tokens
+        assert done.usage.total_tokens == want.prompt_tokens + len(ids)
+    assert len({tuple(s.token_ids) for s in singles}) > 1  # the seeds differ, and so do the samples
+    assert after["requests_total"] - before["requests_total"] == 1
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] == sum(
+        len(s.token_ids) for s in singles)
+    assert sum(after["requests_finished"].values()) - sum(before["requests_finished"].values()) == 1
+    # The client: a list of Completions, index order; chunks name their sample.
+    stream = client.stream("def f(x):", seed=seed, n=3, **kw)
+    chunks = list(stream)
+    assert stream.completion is None and [c.index for c in stream.completions] == [0, 1, 2]
+    for i, want in enumerate(singles):
+        assert [t for c in chunks if c.index == i for t in c.token_ids] == want.token_ids
+        assert stream.completions[i].token_ids == want.token_ids and stream.completions[i].text == want.text
+    outs = client.generate("def f(x):", seed=seed, n=2, **kw)
+    assert [o.token_ids for o in outs] == [s.token_ids for s in singles[:2]]
 
 
 def test_32_concurrent_clients_get_their_own_outputs(server, client, model):
@@ -399,6 +490,26 @@ def _abort_and_disconnect(server, client, model, gate):
     assert after["requests_finished"].get("abort", 0) - before["requests_finished"].get("abort", 0) == 3
 
 
+def test_cancelling_an_n_request_frees_every_slot(server, client):
+    idle(client)
+    before = client.stats()["requests_finished"].get("cancelled", 0)
+    gate = StepGate(server)
+    try:
+        stream = client.stream([4, 5, 6], max_tokens=LONG, ignore_eos=True, temperature=1.0, n=3,
+                               request_id="three")
+        wait_until(lambda: client.stats()["requests_active"] == 1, what="the request")
+        gate.step(2)  # admitted, prefilled once, the samples decoding
+        assert client.stats()["requests_running"] == 3
+        stream.cancel()
+        wait_for_abort(server, "three", "cancelled")
+        gate.step()
+        stats = client.stats()
+        assert stats["requests_running"] == stats["requests_active"] == 0
+        assert stats["requests_finished"].get("cancelled", 0) == before + 1  # one request
+    finally:
+        gate.close()
+
+
 def test_client_deadline_aborts_the_request(server, client, model):
     idle(client)
     before = client.stats()["requests_finished"].get("deadline", 0)
@@ -439,6 +550,14 @@ BAD = {
     "stop id out of vocabulary": (dict(prompt="ab", stop_token_ids=[113]), "stop token id 113 is outside"),
     "too many stop ids": (dict(prompt="ab", stop_token_ids=list(range(8))), "at most 7 stop_token_ids"),
     "seed too large": (dict(prompt="ab", seed=2**63), "seed must be an integer in [0, 2**63)"),
+    "min_p above one": (dict(prompt="ab", min_p=2.0), "min_p must be in [0, 1]"),
+    "logit_bias value": (dict(prompt="ab", logit_bias={5: 500}), "logit_bias values must be in [-100, 100]"),
+    "logit_bias id out of vocabulary": (dict(prompt="ab", logit_bias={113: 1}), "logit_bias id 113 is outside"),
+    "logprobs above 20": (dict(prompt="ab", logprobs=21), "logprobs must be an integer in [0, 20]"),
+    "min_tokens above max_tokens": (dict(prompt="ab", max_tokens=4, min_tokens=5), "min_tokens 5 is above"),
+    "n zero": (dict(prompt="ab", n=0), "n must be an integer in [1, 128], got 0"),
+    "n above 128": (dict(prompt="ab", n=129), "n must be an integer in [1, 128], got 129"),
+    "n above the slots": (dict(prompt="ab", n=5), "n=5 samples need as many slots, and the engine has 4"),
 }
 
 

@@ -14,6 +14,12 @@
             print(chunk.text, end="", flush=True)
         print(stream.completion.finish_reason)                # the Completion, once the stream ended
 
+        out = client.generate("x =", max_tokens=8, logprobs=2, repetition_penalty=1.2, logit_bias={7: -100})
+        out.logprobs[0]                                       # TokenLogprob(token_id, logprob, top=[(id, lp), ...])
+
+        outs = client.generate("x =", max_tokens=8, temperature=0.8, seed=5, n=3)   # a list of 3 Completions
+        [o.index for o in outs], [o.seed for o in outs]       # [0, 1, 2], [5, 6, 7]: sample i uses seed + i
+
         client.abort("my-request-id")                         # ends that stream with finish_reason "abort"
         client.model_info(); client.stats(); client.health()  # dicts / "SERVING"
 
@@ -44,17 +50,32 @@ class GenerationError(Exception):
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """An output token's log-probability under the model's raw distribution and the ``logprobs`` most likely ids
+    with theirs (``top``, most likely first), as :class:`jaxmtp.engine.TokenLogprob`."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
 class Chunk:
-    """New output of a stream: token ids (several per verify step) and their text."""
+    """New output of a stream: token ids (several per verify step) and their text; ``logprobs`` (one per id) when
+    the request set ``logprobs``; ``index``: which sample (0 .. n-1; the samples' chunks interleave)."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
+    index: int = 0
 
 
 @dataclasses.dataclass
 class Completion:
-    """A finished request. ``spec``: k, steps, drafted, accepted, accepted_per_position, acceptance_per_position,
-    mean_acceptance_length. ``text`` is "" for models without a tokenizer."""
+    """A finished request (or one sample of a request with ``n`` > 1: ``index``, its own ``seed`` = the request's
+    seed + index, its own finish reason, tokens, spec, timings; ``prompt_tokens`` is the shared prompt's).
+    ``spec``: k, steps, drafted, accepted, accepted_per_position, acceptance_per_position, mean_acceptance_length.
+    ``text`` is "" for models without a tokenizer."""
 
     request_id: str
     text: str
@@ -67,6 +88,8 @@ class Completion:
     time_to_first_token: float  # server-side, seconds
     elapsed: float  # server-side, seconds
     cached_prompt_tokens: int = 0  # prompt tokens the server's prefix cache restored instead of prefilling
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request set ``logprobs``
+    index: int = 0  # which sample (n > 1)
 
 
 def spec_dict(spec) -> dict:
@@ -82,13 +105,37 @@ def _status_of(err: grpc.RpcError) -> GenerationError:
     return GenerationError(code, details or "")
 
 
+def _token_logprobs(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
+
+
+def _set_logits_processing(sp, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+                           min_tokens, logprobs) -> None:
+    for name, value in (("min_p", min_p), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+                        ("logprobs", logprobs)):
+        if value is not None:
+            setattr(sp, name, value)
+    for t, v in (logit_bias or {}).items():
+        sp.logit_bias[int(t)] = float(v)
+    sp.min_tokens = min_tokens
+
+
 def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messages: Sequence[dict] | None = None,
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, seed: int | None = None, stop: Sequence[str] | str | None = None,
                   stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                  num_draft_tokens: int | None = None, request_id: str | None = None, model: str = ""):
+                  min_p: float | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  logit_bias: dict | None = None, min_tokens: int = 0, logprobs: int | None = None,
+                  n: int | None = None, num_draft_tokens: int | None = None, request_id: str | None = None,
+                  model: str = ""):
     """A ``GenerateRequest`` from keyword arguments (exactly one of ``prompt`` (text), ``token_ids``, ``messages``;
-    a list of ints passed as ``prompt`` counts as token ids)."""
+    a list of ints passed as ``prompt`` counts as token ids). The logits processing takes vLLM's names:
+    ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (None: off), ``logit_bias``
+    ({token id: value}), ``min_tokens``; ``logprobs`` N: each output token's log-probability and the N most likely
+    alternatives (``Chunk.logprobs``, ``Completion.logprobs``). ``n``: samples of the prompt (None: 1; at most the
+    server's slots), sample i with seed + i."""
     if prompt is not None and not isinstance(prompt, str):
         if token_ids is not None:
             raise ValueError("give the prompt either as prompt or as token_ids, not both")
@@ -109,6 +156,10 @@ def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messag
         sp.stop.extend([stop] if isinstance(stop, str) else list(stop))
     if stop_token_ids:
         sp.stop_token_ids.extend(int(t) for t in stop_token_ids)
+    _set_logits_processing(sp, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+                           min_tokens, logprobs)
+    if n is not None:
+        sp.n = n
     req = pb.GenerateRequest(request_id=request_id or "", model=model, sampling=sp)
     if prompt is not None:
         req.text = prompt
@@ -122,15 +173,25 @@ def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messag
 
 
 class Stream:
-    """An in-progress ``Generate`` call: iterate for :class:`Chunk` s; ``completion`` is set once it ended;
-    ``cancel()`` hangs up (the server aborts the request and frees its slot)."""
+    """An in-progress ``Generate`` call: iterate for :class:`Chunk` s (with ``n`` > 1, the samples' chunks
+    interleaved, ``Chunk.index`` naming each one's sample); ``completions`` holds a :class:`Completion` per finished
+    sample, in index order (all ``n`` once the stream ended); ``completion`` is the Completion of an ``n`` = 1
+    request once it ended (None with ``n`` > 1); ``cancel()`` hangs up (the server aborts every sample and frees
+    their slots)."""
 
-    def __init__(self, call, request_id: str | None):
+    def __init__(self, call, request_id: str | None, logprobs: bool = False, n: int = 1):
         self._call = call
         self.request_id = request_id
+        self.n = n
         self.completion: Completion | None = None
-        self._ids: list[int] = []
-        self._text: list[str] = []
+        self._done: dict[int, Completion] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._text: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list[TokenLogprob]] | None = {} if logprobs else None
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [self._done[i] for i in sorted(self._done)]
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
@@ -138,19 +199,25 @@ class Stream:
                 kind = msg.WhichOneof("response")
                 self.request_id = msg.request_id or self.request_id
                 if kind == "chunk":
-                    ids = list(msg.chunk.token_ids)
-                    self._ids += ids
-                    self._text.append(msg.chunk.text)
-                    yield Chunk(ids, msg.chunk.text)
+                    i, ids = msg.chunk.index, list(msg.chunk.token_ids)
+                    self._ids.setdefault(i, []).extend(ids)
+                    self._text.setdefault(i, []).append(msg.chunk.text)
+                    logprobs = None
+                    if self._logprobs is not None:
+                        logprobs = _token_logprobs(msg.chunk.logprobs)
+                        self._logprobs.setdefault(i, []).extend(logprobs)
+                    yield Chunk(ids, msg.chunk.text, logprobs, i)
                 elif kind == "complete":
-                    c = msg.complete
-                    spec = spec_dict(c.spec)
-                    self.completion = Completion(
-                        request_id=self.request_id, text="".join(self._text), token_ids=list(self._ids),
-                        finish_reason=pb.finish_reason_name(c.finish_reason), prompt_tokens=c.usage.prompt_tokens,
-                        completion_tokens=c.usage.completion_tokens, seed=c.seed, spec=spec,
-                        time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s,
-                        cached_prompt_tokens=c.usage.cached_prompt_tokens)
+                    c, i = msg.complete, msg.complete.index
+                    done = self._done[i] = Completion(
+                        request_id=self.request_id, text="".join(self._text.get(i, ())),
+                        token_ids=list(self._ids.get(i, ())), finish_reason=pb.finish_reason_name(c.finish_reason),
+                        prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens, seed=c.seed,
+                        spec=spec_dict(c.spec), time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s,
+                        cached_prompt_tokens=c.usage.cached_prompt_tokens,
+                        logprobs=None if self._logprobs is None else self._logprobs.get(i, []), index=i)
+                    if self.n == 1:
+                        self.completion = done
                 elif kind == "error":
                     raise GenerationError(grpc.StatusCode(_code_tuple(msg.error.code)), msg.error.message,
                                           self.request_id)
@@ -216,17 +283,20 @@ class Client:
         req = build_request(prompt, **kw)
         call = self._gen.Generate(req, timeout=self._timeout(timeout), wait_for_ready=wait_for_ready,
                                   metadata=self._metadata)
-        return Stream(call, req.request_id or None)
+        n = req.sampling.n if req.sampling.HasField("n") else 1
+        return Stream(call, req.request_id or None, logprobs=req.sampling.HasField("logprobs"), n=n)
 
-    def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> Completion:
-        """Generate to the end and return the :class:`Completion` (text, token ids, finish reason, usage, spec)."""
+    def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> Completion | list[Completion]:
+        """Generate to the end and return the :class:`Completion` (text, token ids, finish reason, usage, spec);
+        with ``n`` > 1, a list of ``n`` Completions, one per sample in index order."""
         s = self.stream(prompt, timeout=timeout, **kw)
         for _ in s:
             pass
-        if s.completion is None:
-            raise GenerationError(grpc.StatusCode.INTERNAL, "the stream ended without a complete message",
-                                  s.request_id)
-        return s.completion
+        done = s.completions
+        if len(done) != s.n:
+            raise GenerationError(grpc.StatusCode.INTERNAL, f"the stream ended with {len(done)} of {s.n} complete "
+                                                            "messages", s.request_id)
+        return done if s.n > 1 else done[0]
 
     def abort(self, *request_ids: str, timeout: float | None = None) -> list[str]:
         """Abort requests by id; returns the ids that were still in flight (the server also remembers an id not yet
@@ -317,4 +387,4 @@ class Client:
             time.sleep(max(0.0, min(poll_seconds, end - time.monotonic())))
 
 
-__all__ = ["Chunk", "Client", "Completion", "GenerationError", "Stream", "build_request"]
+__all__ = ["Chunk", "Client", "Completion", "GenerationError", "Stream", "TokenLogprob", "build_request"]

@@ -10,8 +10,10 @@ come back through the same ``call_soon_threadsafe`` hand-off into an ``asyncio.Q
 Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with status 400 (invalid or
 unsupported request), 401 (API key), 404 (unknown model or path), 413 (body too large), 429 (queue full), 503
 (warming up, draining, engine failed), 504 (``--max-request-seconds`` passed). A field the server cannot honour is a
-400 naming it, never silently ignored; fields at their neutral value (``n: 1``, penalties 0, ``logprobs: false``,
-``echo: false``, ...) are accepted.
+400 naming it, never silently ignored; fields at their neutral value (``echo: false``, ``best_of`` equal to ``n``,
+...) are accepted. ``n`` samples come back as ``n`` choices (streamed: chunks whose ``choices[0].index`` names the
+sample, each sample ending with its own finish_reason chunk); the usage counts the prompt once and every sample's
+tokens.
 
     api = HttpApi(grpc_server, port=8000)    # on the server's event loop:
     port = await api.start()
@@ -36,6 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxmtp.sampling import MAX_LOGPROBS, MAX_N
 from jaxmtp.serving import protocol as pb
 from jaxmtp.serving.chat_template import ChatTemplate, ChatTemplateError
 from jaxmtp.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -61,15 +64,14 @@ GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NO
 HTTP_STATUS_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503,
                        grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.ALREADY_EXISTS: 409}
 
+PENALTIES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")  # numbers, unset: off
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "stream", "stream_options", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+                 "ignore_eos", "stream", "stream_options", "user", *PENALTIES, "logit_bias", "min_tokens", "n"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
-                               "chat_template_kwargs", "add_generation_prompt"}
+                               "chat_template_kwargs", "add_generation_prompt", "logprobs", "top_logprobs"}
 # Fields accepted only at the value that changes nothing (anything else needs a feature the engine lacks).
-NEUTRAL = {"n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-           "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
-           "min_p": (0,), "min_tokens": (0,), "suffix": ("",), "response_format": ({"type": "text"},),
+NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
            "length_penalty": (1,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
            "include_stop_str_in_output": (False,), "use_beam_search": (False,)}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -132,8 +134,11 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         if key in allowed or value is None:
             continue
         if key in NEUTRAL:
-            if not any(_same(value, n) for n in NEUTRAL[key]):
-                want = " or ".join(json.dumps(n) for n in NEUTRAL[key])
+            neutral = NEUTRAL[key]
+            if key == "best_of" and body.get("n") is not None:  # best of n, all n returned: the n samples
+                neutral = (body["n"],)
+            if not any(_same(value, n) for n in neutral):
+                want = " or ".join(json.dumps(n) for n in neutral)
                 raise ApiError(400, f"'{key}' is not supported by this server (only {want} is accepted), got "
                                     f"{json.dumps(value)}", key)
             continue
@@ -149,6 +154,76 @@ def _stop_strings(body: dict) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return list(stop)
     raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (an object with token ids as string keys) as {id: value}; the values' range is
+    checked with the rest of the sampling parameters."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.strip().isdecimal()):
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {json.dumps(key)}", "logit_bias")
+        t = int(key)
+        if t >= vocab_size:
+            raise ApiError(400, f"'logit_bias' token id {t} is outside the vocabulary [0, {vocab_size})",
+                           "logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ApiError(400, f"'logit_bias' values must be numbers, got {json.dumps(value)} for token id {t}",
+                           "logit_bias")
+        if t in out:
+            raise ApiError(400, f"'logit_bias' names token id {t} twice", "logit_bias")
+        out[t] = float(value)
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to return (None: no logprobs). Chat: ``logprobs`` (bool) and
+    ``top_logprobs``; completions: ``logprobs`` (int)."""
+    if not chat:
+        return None if body.get("logprobs") is False else _get_int(body, "logprobs", 0, MAX_LOGPROBS)
+    want = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+    return (top or 0) if want else None
+
+
+def _logprob(v: float) -> float:
+    return max(float(v), -9999.0)  # as OpenAI and vLLM: JSON has no -Infinity
+
+
+def _top_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries, token_text) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` of :class:`jaxmtp.engine.TokenLogprob` s; ``token_text(id)``: the token's
+    decoded string."""
+    return [{**_top_entry(token_text(e.token_id), e.logprob),
+             "top_logprobs": [_top_entry(token_text(t), v) for t, v in e.top]} for e in entries]
+
+
+def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
+    """OpenAI's legacy completions ``logprobs`` of :class:`jaxmtp.engine.TokenLogprob` s: each position's
+    ``top_logprobs`` holds the N most likely tokens and the chosen one; ``text_offset`` counts from ``offset``."""
+    tokens, offsets, tops = [], [], []
+    for e in entries:
+        text = token_text(e.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        top: dict[str, float] = {}
+        for t, v in e.top:
+            top.setdefault(token_text(t), _logprob(v))  # tokens that decode alike: the most likely one's
+        top.setdefault(text, _logprob(e.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _text_content(content: Any, i: int) -> str | None:
@@ -244,6 +319,7 @@ class HttpApi:
             log.warning("chat requests are disabled: %s", e)
             self.template = None
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
         key = getattr(server.config, "api_key", None)
         self._auth = f"Bearer {key}".encode() if key else None
         self._uvicorn = None
@@ -310,6 +386,15 @@ class HttpApi:
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(self._task, 30)
         self._uvicorn = None
+
+    def token_text(self, t: int) -> str:
+        """A token id's decoded string (special tokens included; ``token_id:N`` without a tokenizer, as vLLM)."""
+        text = self._token_texts.get(t)
+        if text is None:
+            tok = self.server.model.tokenizer
+            text = tok.decode([t], skip_special_tokens=False) if tok is not None else f"token_id:{t}"
+            self._token_texts[t] = text
+        return text
 
     # ---- responses ----------------------------------------------------------------------------------------------
     def _error(self, e: ApiError, count: bool = True):
@@ -493,8 +578,9 @@ class HttpApi:
         req = pb.GenerateRequest()
         req.token_ids.ids.extend(ids)
         job = _Job(self, body, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}")
-        job.parser = ChatOutputParser(reasoning=THINK_END in tpl.source, in_reasoning=prompt_opens_reasoning(text),
-                                      tools=tools if tools and choice != "none" else None)
+        reasoning, in_reasoning = THINK_END in tpl.source, prompt_opens_reasoning(text)
+        job.make_parser = lambda: ChatOutputParser(reasoning=reasoning, in_reasoning=in_reasoning,
+                                                   tools=tools if tools and choice != "none" else None)
         await job.parse(req, max_tokens=max_tokens)
         return job
 
@@ -574,6 +660,21 @@ class _StreamOfJob(StreamingResponse):
                 self.job.api.server.scheduler.abort(self.job.rid, ABORT_CANCELLED)
 
 
+class _Choice:
+    """One sample of a request (a choice of the response)."""
+
+    def __init__(self, index: int, parser: ChatOutputParser | None):
+        self.index, self.parser = index, parser
+        self.text: list[str] = []
+        self.n_out = 0
+        self.n_cached = 0  # prompt tokens the prefix cache restored (known when the sample finishes)
+        self.logprobs: list = []  # every token's TokenLogprob, when the request asked for them
+        self.unsent_logprobs: list = []  # streamed: those not in a chunk yet
+        self.text_offset = 0  # streamed completions: the text_offset of the next token
+        self.finish_reason: str | None = None
+        self.finished = False
+
+
 class _Job:
     """One request from parsing to its last delta."""
 
@@ -592,18 +693,14 @@ class _Job:
                                 "'continuous_usage_stats'", "stream_options")
         self.include_usage = (opts or {}).get("include_usage", False)
         self.continuous_usage = (opts or {}).get("continuous_usage_stats", False)  # vLLM's: usage in every chunk
-        self.parser: ChatOutputParser | None = None
+        self.make_parser = None  # chat: a new ChatOutputParser per sample
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ids: list[int] = []
         self.params = None
         self.submit_kwargs: dict = {}
-        self.submitted = self.finished = False
+        self.submitted = self.finished = False  # finished: every sample ended, or the request failed
         self.failure: ApiError | None = None
-        self.text: list[str] = []
-        self.parts: list[Part] = []
-        self.n_out = 0
-        self.n_cached = 0  # prompt tokens the prefix cache restored (known when the request finishes)
-        self.finish_reason: str | None = None
+        self.choices: list[_Choice] = []  # one per sample (set by parse)
 
     async def parse(self, req, max_tokens: int | None) -> None:
         """Sampling fields -> ``req.sampling``; then the gRPC server's own validation."""
@@ -629,6 +726,13 @@ class _Job:
                 raise ApiError(400, "'stop_token_ids' must be a list of non-negative integers", "stop_token_ids")
             s.stop_token_ids.extend(ids)
         s.ignore_eos = _get_bool(body, "ignore_eos", False)
+        self._parse_processing(s)
+        n = _get_int(body, "n", 1, MAX_N)
+        if n is not None:
+            if n > srv.engine.num_slots:
+                raise ApiError(400, f"'n' is {n}: {n} samples need as many slots, and the server has "
+                                    f"{srv.engine.num_slots}", "n")
+            s.n = n
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise ApiError(400, "'user' must be a string", "user")
         try:
@@ -636,12 +740,29 @@ class _Job:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         self.ids, self.params = parsed[0], parsed[1]
+        self.choices = [_Choice(i, self.make_parser() if self.make_parser else None) for i in range(self.params.n)]
         if len(parsed) > 2 and parsed[2] is not None:  # a stop-string matcher built off the event loop
             self.submit_kwargs["stop_matcher"] = parsed[2]
 
+    def _parse_processing(self, s) -> None:
+        """The logits-processing fields and logprobs -> ``s`` (ranges are checked by the gRPC server's parse)."""
+        body = self.body
+        for key in PENALTIES:
+            v = _get_float(body, key)
+            if v is not None:
+                setattr(s, key, v)
+        for t, v in _logit_bias(body, self.api.server.model.config.vocab_size).items():
+            s.logit_bias[t] = v
+        s.min_tokens = _get_int(body, "min_tokens", 0, INT32_MAX) or 0
+        n = _logprobs(body, self.chat)
+        if n is not None:
+            s.logprobs = n
+
     # ---- the deltas -----------------------------------------------------------------------------------------------
     async def deltas(self):
-        """Yields (new token ids, new text) until the request ends; sets ``finish_reason`` or ``failure``."""
+        """Yields (choice, new token ids, new text, their TokenLogprobs) until the request ends: for new output, and
+        once more (maybe empty) when a choice ends (``choice.finished``, its ``finish_reason`` set); sets
+        ``failure`` when the request fails."""
         loop = asyncio.get_running_loop()
         limit = self.api.server.config.max_request_seconds
         deadline = None if limit is None else loop.time() + limit
@@ -660,7 +781,7 @@ class _Job:
             batch = [d]
             while not self.queue.empty():  # merge what piled up while we were writing
                 batch.append(self.queue.get_nowait())
-            new_ids, text, final = [], [], None
+            merged: dict[int, tuple[list, list, list, list]] = {}  # sample -> (ids, text, logprobs, [final])
             for d in batch:
                 if d is None:  # the client disconnected
                     self.finished = True
@@ -669,90 +790,128 @@ class _Job:
                     self.finished = True
                     self.failure = ApiError(500, f"the engine failed: {d.error!r}")
                     return
-                new_ids += d.output.token_ids
-                text.append(d.output.text)
-                if d.output.finished:
-                    final = d
-            self.n_out += len(new_ids)
-            if new_ids or any(text):
-                self.text.append("".join(text))
-                yield new_ids, "".join(text)
-            if final is not None:
+                o = d.output
+                new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
+                new_ids += o.token_ids
+                text.append(o.text)
+                logprobs += o.logprobs or []
+                if o.finished:
+                    final.append(d)
+            for i, (new_ids, text, logprobs, final) in merged.items():
+                c, text, failure = self.choices[i], "".join(text), None
+                c.n_out += len(new_ids)
+                c.logprobs += logprobs
+                if new_ids or text:
+                    c.text.append(text)
+                if final:
+                    o, why = final[0].output, final[0].abort_reason
+                    c.n_cached = o.num_cached_tokens
+                    if o.finish_reason == "abort" and why == ABORT_SHUTDOWN:
+                        failure = ApiError(503, "the server shut down before the request finished")
+                    elif o.finish_reason == "abort" and why == ABORT_DEADLINE:
+                        failure = ApiError(504, "the request's deadline passed before it finished")
+                    else:
+                        c.finish_reason, c.finished = o.finish_reason, True
+                if new_ids or text or c.finished:
+                    yield c, new_ids, text, logprobs
+                if failure is not None:
+                    self.finished, self.failure = True, failure
+                    return
+            if all(c.finished for c in self.choices):
                 self.finished = True
-                o = final.output
-                self.n_cached = o.num_cached_tokens
-                if o.finish_reason == "abort" and final.abort_reason == ABORT_SHUTDOWN:
-                    self.failure = ApiError(503, "the server shut down before the request finished")
-                elif o.finish_reason == "abort" and final.abort_reason == ABORT_DEADLINE:
-                    self.failure = ApiError(504, "the request's deadline passed before it finished")
-                else:
-                    self.finish_reason = o.finish_reason
                 return
 
     def _usage(self) -> dict:
-        n_prompt = len(self.ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": self.n_out, "total_tokens": n_prompt + self.n_out,
-                "prompt_tokens_details": {"cached_tokens": self.n_cached}}
+        """The prompt once, every sample's output tokens (OpenAI's usage of n choices)."""
+        n_prompt, n_out = len(self.ids), sum(c.n_out for c in self.choices)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": max((c.n_cached for c in self.choices), default=0)}}
 
-    def _chat_finish_reason(self) -> str:
-        if self.finish_reason == "stop" and self.parser is not None and self.parser.tool_calls:
+    @staticmethod
+    def _chat_finish_reason(c: "_Choice") -> str:
+        if c.finish_reason == "stop" and c.parser is not None and c.parser.tool_calls:
             return "tool_calls"
-        return self.finish_reason
+        return c.finish_reason
 
-    def response(self) -> dict:
-        """The non-streamed response body."""
-        text = "".join(self.text)
-        head = {"id": self.rid, "created": self.created, "model": self.model}
+    def _format_logprobs(self, c: "_Choice", entries: list) -> dict | None:
+        """The ``logprobs`` of a choice holding these tokens (None when the request did not ask for them)."""
+        if self.params is None or self.params.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(entries, self.api.token_text), "refusal": None}
+        out = completion_logprobs(entries, self.api.token_text, c.text_offset)
+        c.text_offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _take_logprobs(self, c: "_Choice") -> dict | None:
+        """Streamed: the ``logprobs`` of the choice's next chunk, its tokens not sent yet (None when there are
+        none)."""
+        entries, c.unsent_logprobs = c.unsent_logprobs, []
+        return self._format_logprobs(c, entries) if entries else None
+
+    def _choice(self, c: "_Choice") -> dict:
+        """A choice of the non-streamed response."""
+        text = "".join(c.text)
+        logprobs = self._format_logprobs(c, c.logprobs)
         if not self.chat:
-            return {**head, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}],
-                    "usage": self._usage()}
-        parts = self.parser.feed(text) + self.parser.finish()
+            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        parts = c.parser.feed(text) + c.parser.finish()
         content = "".join(p.text for p in parts if p.kind == "content")
         reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
         if reasoning:
             message["reasoning_content"] = reasoning
-        calls = self.parser.tool_calls
-        message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        calls = c.parser.tool_calls
+        message["tool_calls"] = [{"id": t.id, "type": "function",
+                                  "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
         if not calls:
             message["content"] = content  # "" rather than null when nothing was generated
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": self._chat_finish_reason()}],
-                "usage": self._usage()}
+        return {"index": c.index, "message": message, "logprobs": logprobs,
+                "finish_reason": self._chat_finish_reason(c)}
+
+    def response(self) -> dict:
+        """The non-streamed response body."""
+        return {"id": self.rid, "created": self.created, "model": self.model,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
 
     async def stream_chunks(self):
-        """The server-sent events of a streamed response."""
+        """The server-sent events of a streamed response: each chunk holds one choice, whose ``index`` names the
+        sample; each sample ends with a chunk carrying its finish_reason. A chunk's ``logprobs`` are those of its
+        sample's tokens that arrived since that sample's previous chunk that carried some (text held back, by a
+        stop string or the chat output parser, leaves its tokens' logprobs for a later chunk; the last one carries
+        the rest)."""
         head = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
-        def chunk(choice: dict) -> bytes:
+
+        def chunk(c: _Choice, part: dict, finish_reason: str | None = None) -> bytes:
+            choice = {"index": c.index, **part, "logprobs": self._take_logprobs(c), "finish_reason": finish_reason}
             if self.continuous_usage:
                 return _sse({**head, "choices": [choice], "usage": self._usage()})
             return _sse({**head, "choices": [choice], **({"usage": None} if self.include_usage else {})})
 
         if self.chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for _, text in self.deltas():
+            for c in self.choices:
+                yield chunk(c, {"delta": {"role": "assistant", "content": ""}})
+        async for c, _, text, logprobs in self.deltas():
+            c.unsent_logprobs += logprobs
             if not self.chat:
                 if text:
-                    yield chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+                    yield chunk(c, {"text": text})
+                if c.finished:
+                    yield chunk(c, {"text": ""}, c.finish_reason)
                 continue
-            for delta in self._chat_deltas(self.parser.feed(text)):
-                yield chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+            for delta in self._chat_deltas(c.parser.feed(text)):
+                yield chunk(c, {"delta": delta})
+            if c.finished:
+                for delta in self._chat_deltas(c.parser.finish()):
+                    yield chunk(c, {"delta": delta})
+                yield chunk(c, {"delta": {}}, self._chat_finish_reason(c))
         if self.failure is not None:
             yield _sse(self.failure.body())
             return
-        if self.finish_reason is None:  # the client went away
+        if not all(c.finished for c in self.choices):  # the client went away
             return
-        if self.chat:
-            for delta in self._chat_deltas(self.parser.finish()):
-                yield chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
-            yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": self._chat_finish_reason()})
-        else:
-            yield chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish_reason})
         if self.include_usage:
             yield _sse({**head, "choices": [], "usage": self._usage()})
         yield b"data: [DONE]\n\n"

@@ -14,10 +14,12 @@ They cover every request the scheduler runs, whichever protocol brought it (gRPC
   ``jaxmtp_num_slots``, ``jaxmtp_spec_decode_acceptance_rate_per_pos{position}``, ``jaxmtp_server_ready``;
 * with the prefix cache on: ``jaxmtp_prefix_cache_queries_total`` and ``..._hits_total`` (prompt tokens looked up
   and restored), ``jaxmtp_prefix_cache_evictions_total``, ``jaxmtp_prefix_cache_bytes``;
-* histograms observed as each request ends (:attr:`Scheduler.on_finish`), timed on the engine thread from submission:
-  ``jaxmtp_time_to_first_token_seconds``, ``jaxmtp_time_per_output_token_seconds`` ((end - first token) /
-  (tokens - 1)), ``jaxmtp_e2e_request_latency_seconds``, ``jaxmtp_request_prompt_tokens``,
-  ``jaxmtp_request_generation_tokens``.
+* histograms observed as each request ends (:attr:`Scheduler.on_finish`, before its last output reaches the
+  client), timed on the engine thread from submission: ``jaxmtp_time_to_first_token_seconds``,
+  ``jaxmtp_time_per_output_token_seconds`` ((end - first token) / (tokens - 1)),
+  ``jaxmtp_e2e_request_latency_seconds``, ``jaxmtp_request_prompt_tokens``, ``jaxmtp_request_generation_tokens``.
+  A request of ``n`` samples is one request: its first token is any sample's, its generation tokens the sum over
+  the samples, its time per output token that of its longest sample.
 
 Each server has its own ``CollectorRegistry`` (several servers in one process do not clash).
 """
@@ -134,8 +136,9 @@ class ServerMetrics:
         self.generation_tokens.observe(r.completion_tokens)
         if r.first_token is not None:
             self.ttft.observe(r.first_token - r.submitted)
-            if r.completion_tokens > 1:
-                self.tpot.observe((r.finished - r.first_token) / (r.completion_tokens - 1))
+            tokens = r.completion_tokens if r.longest_sample is None else r.longest_sample
+            if tokens > 1:
+                self.tpot.observe((r.finished - r.first_token) / (tokens - 1))
 
     def exposition(self) -> bytes:
         """The Prometheus text format."""

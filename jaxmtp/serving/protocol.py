@@ -47,6 +47,8 @@ SamplingParams = _message_class("jaxmtp.v1.SamplingParams")
 GenerateRequest = _message_class("jaxmtp.v1.GenerateRequest")
 GenerateResponse = _message_class("jaxmtp.v1.GenerateResponse")
 Chunk = _message_class("jaxmtp.v1.Chunk")
+TokenLogprob = _message_class("jaxmtp.v1.TokenLogprob")
+TopLogprob = _message_class("jaxmtp.v1.TopLogprob")
 Usage = _message_class("jaxmtp.v1.Usage")
 SpecStats = _message_class("jaxmtp.v1.SpecStats")
 Complete = _message_class("jaxmtp.v1.Complete")
@@ -259,7 +261,7 @@ __all__ = [
     "GenerateRequest", "GenerateResponse", "GenerationStub", "GetModelInfoRequest", "GetServerStatsRequest",
     "HEALTH_SERVICE", "HealthCheckRequest", "HealthCheckResponse", "HealthStub", "METHODS", "MalformedRequest",
     "ModelInfo",
-    "NOT_SERVING", "POOL", "PrefixCacheStats", "SERVICE_UNKNOWN", "SERVING", "SamplingParams", "ServerStats", "SpecStats", "TokenIds",
-    "UNKNOWN", "Usage", "finish_reason_name", "finish_reason_value", "generic_handler", "health_status_name",
+    "NOT_SERVING", "POOL", "PrefixCacheStats", "SERVICE_UNKNOWN", "SERVING", "SamplingParams", "ServerStats",
+    "SpecStats", "TokenIds", "TokenLogprob", "TopLogprob", "UNKNOWN", "Usage", "finish_reason_name", "finish_reason_value", "generic_handler", "health_status_name",
     "method_path", "to_dict",
 ]

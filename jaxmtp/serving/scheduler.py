@@ -6,7 +6,10 @@ per-request sinks without ever waiting on a client.
 * The engine thread calls ``Engine.step()`` while the engine has work and sleeps on an event otherwise. Each step
   admits queued requests into free slots (prefilled between decode steps), runs the speculative steps and returns
   per-request deltas, which go to each request's sink (for the asyncio server: ``loop.call_soon_threadsafe`` into
-  an ``asyncio.Queue``, which never blocks).
+  an ``asyncio.Queue``, which never blocks). A request of ``n`` samples (``SamplingParams.n``) has one sink, which
+  gets every sample's deltas (``RequestOutput.index``) and one final delta per sample; the request ends when all
+  ``n`` have ended. The metrics observers (:attr:`Scheduler.on_finish`) and counters see a request end before its
+  last delta goes to its sink, so a client that has its response finds it counted.
 * ``abort`` (any thread) cancels a request through ``Engine.abort``; the engine frees its slot at the start of the
   next step, and the engine thread is woken so that this happens at once. A client abort of an id that is not in
   flight is remembered for :data:`RECENT_ABORT_SECONDS` (at most :data:`RECENT_ABORTS` ids), so that a request
@@ -66,21 +69,29 @@ class _Entry:
     prompt_tokens: int
     abort_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token: float | None = None  # when its first output token was handed to its sink
-    completion_tokens: int = 0
+    first_token: float | None = None  # when its first output token (of any sample) was handed to its sink
+    completion_tokens: int = 0  # every sample's
+    n: int = 1  # samples (SamplingParams.n)
+    remaining: int = 1  # samples not finished
+    sample_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # n > 1: per index
+    reasons: list = dataclasses.field(default_factory=list)  # the finished samples' reasons
 
 
 @dataclasses.dataclass
 class FinishedRequest:
-    """What :attr:`Scheduler.on_finish` observers get (times are ``time.perf_counter()`` on the engine thread)."""
+    """What :attr:`Scheduler.on_finish` observers get (times are ``time.perf_counter()`` on the engine thread), once
+    per request, when its last sample ended."""
 
     rid: str
-    finish_reason: str  # "stop", "length", or the abort reason ("abort", "cancelled", "deadline", "shutdown")
+    # "stop", "length", or the abort reason ("abort", "cancelled", "deadline", "shutdown"). Of n samples: the abort
+    # reason if one was aborted, else "length" if one ran out of tokens, else "stop".
+    finish_reason: str
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # summed over the samples
     submitted: float
     first_token: float | None
     finished: float
+    longest_sample: int | None = None  # the most tokens one sample generated (None: completion_tokens, one sample)
 
 
 @dataclasses.dataclass
@@ -93,6 +104,16 @@ class Counters:
     engine_iterations: int = 0
     requests_finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     requests_rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def _request_reason(reasons: list[str]) -> str:
+    """A request's finish reason from its samples': an abort reason if any, else "length" if any, else "stop"."""
+    if len(reasons) == 1:
+        return reasons[0]
+    for r in reasons:
+        if r not in ("stop", "length"):
+            return r
+    return "length" if "length" in reasons else "stop"
 
 
 class Scheduler:
@@ -158,7 +179,7 @@ class Scheduler:
                     f"({self.engine.num_slots} slots + a queue of {self.max_queue}); retry later")
             self.engine.add_request(prompt_ids, params, request_id=rid,  # ValueError: nothing queued
                                     stop_matcher=stop_matcher)
-            entry = self._entries[rid] = _Entry(rid, sink, len(prompt_ids))
+            entry = self._entries[rid] = _Entry(rid, sink, len(prompt_ids), n=params.n, remaining=params.n)
             self.counters.requests_total += 1
             self.counters.prompt_tokens_total += len(prompt_ids)
             if self._recent_aborts.pop(rid, 0.0) > time.monotonic() and self.engine.abort(rid):
@@ -246,6 +267,8 @@ class Scheduler:
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Counters, then the metrics observers of the requests that ended, then the sinks: what a client finds
+        after its response is already counted."""
         todo, done = [], []
         now = time.perf_counter()
         with self._lock:
@@ -259,27 +282,39 @@ class Scheduler:
                     continue
                 self.counters.generated_tokens_total += len(o.token_ids)
                 entry.completion_tokens += len(o.token_ids)
+                if entry.n > 1:
+                    entry.sample_tokens[o.index] += len(o.token_ids)
                 if o.token_ids and entry.first_token is None:
                     entry.first_token = now
                 reason = None
                 if o.finished:
-                    del self._entries[o.request_id]
                     reason = entry.abort_reason if o.finish_reason == "abort" else None
-                    self.counters.requests_finished[reason or o.finish_reason or "unknown"] += 1
-                    done.append(FinishedRequest(entry.rid, reason or o.finish_reason or "unknown", entry.prompt_tokens,
-                                                entry.completion_tokens, entry.submitted, entry.first_token, now))
+                    entry.reasons.append(reason or o.finish_reason or "unknown")
+                    entry.remaining -= 1
+                    if entry.remaining <= 0:
+                        del self._entries[o.request_id]
+                        overall = _request_reason(entry.reasons)
+                        self.counters.requests_finished[overall] += 1
+                        longest = max(entry.sample_tokens.values(), default=0) if entry.n > 1 else None
+                        done.append(FinishedRequest(entry.rid, overall, entry.prompt_tokens, entry.completion_tokens,
+                                                    entry.submitted, entry.first_token, now, longest))
                 todo.append((entry, Delivery(output=o, abort_reason=reason)))
+        for f in done:  # before the deliveries (quick: a few histogram updates)
+            for observe in self.on_finish:
+                try:
+                    observe(f)
+                except Exception:  # noqa: BLE001 - an observer must not cost the request its output
+                    log.exception("an on_finish observer failed")
         for entry, d in todo:
             self._send(entry, d)
-        for f in done:
-            for observe in self.on_finish:
-                observe(f)
 
     def _send(self, entry: _Entry, d: Delivery) -> None:
         try:
             entry.sink(d)
         except Exception:  # noqa: BLE001 - the receiver is gone (its event loop closed): drop the request
-            if d.output is not None and not d.output.finished:
+            with self._lock:
+                live = self._entries.get(entry.rid) is entry  # samples still running
+            if d.output is not None and live:
                 self.abort(entry.rid, ABORT_CANCELLED)
 
     def _fail(self, exc: BaseException) -> None:

@@ -146,6 +146,14 @@ def _spec_pb(s: SpecStats | None, k: int):
                         mean_acceptance_length=s.mean_acceptance_length)
 
 
+def _add_logprobs(chunk, logprobs) -> None:
+    """Append the engine's :class:`jaxmtp.engine.TokenLogprob` s to ``chunk.logprobs``."""
+    for lp in logprobs:
+        entry = chunk.logprobs.add(token_id=int(lp.token_id), logprob=float(lp.logprob))
+        for t, v in lp.top:
+            entry.top.add(token_id=int(t), logprob=float(v))
+
+
 def _server_credentials(certfile: str, keyfile: str) -> grpc.ServerCredentials:
     with open(certfile, "rb") as f:
         chain = f.read()
@@ -377,6 +385,9 @@ class GenerationServer:
                                  f"{self.max_new_tokens_limit} new tokens")
         else:
             max_tokens = self.default_max_tokens
+        if s.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens {s.min_tokens} is above max_tokens ({max_tokens}"
+                             f"{'' if s.HasField('max_tokens') else ', the server default'})")
         params = SamplingParams(
             max_new_tokens=int(max_tokens),
             temperature=float(s.temperature) if s.HasField("temperature") else 0.0,
@@ -386,6 +397,14 @@ class GenerationServer:
             stop=tuple(s.stop),
             stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
             ignore_eos=bool(s.ignore_eos),
+            min_p=float(s.min_p) if s.HasField("min_p") else 0.0,
+            presence_penalty=float(s.presence_penalty) if s.HasField("presence_penalty") else 0.0,
+            frequency_penalty=float(s.frequency_penalty) if s.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=float(s.repetition_penalty) if s.HasField("repetition_penalty") else 1.0,
+            logit_bias={int(t): float(v) for t, v in s.logit_bias.items()},
+            min_tokens=int(s.min_tokens),
+            logprobs=int(s.logprobs) if s.HasField("logprobs") else None,
+            n=int(s.n) if s.HasField("n") else 1,
         ).with_seed()
         stop_id_row(params, self.model.eos_token_ids)  # raises if stop ids + EOS ids overflow the device row
         return params
@@ -520,10 +539,16 @@ class GenerationServer:
         return min(ends) if ends else None
 
     async def _stream(self, rid, ids, params, queue, context, arrival, state):
+        """Write the request's outputs: chunks as they come (those that piled up merged, per sample), one Complete
+        per sample as it ends; the call ends when all ``params.n`` samples have."""
         loop = asyncio.get_running_loop()
         deadline = self._deadline(context, loop.time())
         await context.send_initial_metadata((("x-request-id", rid),))
-        n_prompt, n_out, first = len(ids), 0, None
+        n_prompt = len(ids)
+        n_out = [0] * params.n  # per sample
+        first: list[float | None] = [None] * params.n
+        left = params.n  # samples not finished
+        reasons, cached = [], 0  # of the finished samples (the debug line)
         while True:
             timeout = None if deadline is None else deadline - loop.time()
             try:
@@ -534,51 +559,64 @@ class GenerationServer:
                 state["finished"] = True
                 self.scheduler.abort(rid, ABORT_DEADLINE)
                 await self._fail(context, rid, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 "the request's deadline passed before it finished", n_prompt, n_out)
+                                 "the request's deadline passed before it finished", n_prompt, sum(n_out))
                 return
             batch = [d]
             while not queue.empty():  # merge what piled up while we were writing
                 batch.append(queue.get_nowait())
-            new_ids, text, final = [], [], None
+            merged: dict[int, tuple[list, list, list, list]] = {}  # sample -> (ids, text, logprobs, [final])
             for d in batch:
                 if d.error is not None:
                     state["finished"] = True
                     await self._fail(context, rid, grpc.StatusCode.INTERNAL, f"the engine failed: {d.error!r}",
-                                     n_prompt, n_out)
+                                     n_prompt, sum(n_out))
                     return
-                new_ids += d.output.token_ids
-                text.append(d.output.text)
-                if d.output.finished:
-                    final = d
-            if new_ids or any(text):
-                n_out += len(new_ids)
-                if first is None and new_ids:
-                    first = time.perf_counter()
-                await context.write(pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(
-                    token_ids=new_ids, text="".join(text), prompt_tokens=n_prompt, completion_tokens=n_out)))
-            if final is None:
+                o = d.output
+                new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
+                new_ids += o.token_ids
+                text.append(o.text)
+                logprobs += o.logprobs or []
+                if o.finished:
+                    final.append(d)
+            for i, (new_ids, text, logprobs, final) in merged.items():
+                if new_ids or any(text):
+                    n_out[i] += len(new_ids)
+                    if first[i] is None and new_ids:
+                        first[i] = time.perf_counter()
+                    chunk = pb.Chunk(token_ids=new_ids, text="".join(text), prompt_tokens=n_prompt,
+                                     completion_tokens=n_out[i], index=i)
+                    _add_logprobs(chunk, logprobs)
+                    await context.write(pb.GenerateResponse(request_id=rid, chunk=chunk))
+                if not final:
+                    continue
+                o, why = final[0].output, final[0].abort_reason
+                if o.finish_reason == "abort" and why in (ABORT_SHUTDOWN, ABORT_DEADLINE):
+                    state["finished"] = True
+                    if why == ABORT_SHUTDOWN:
+                        await self._fail(context, rid, grpc.StatusCode.UNAVAILABLE,
+                                         "the server shut down before the request finished", n_prompt, sum(n_out))
+                    else:
+                        await self._fail(context, rid, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         "the request's deadline passed before it finished", n_prompt, sum(n_out))
+                    return
+                left -= 1
+                if not left:
+                    state["finished"] = True
+                reasons.append(o.finish_reason)
+                cached = max(cached, o.num_cached_tokens)
+                now = time.perf_counter()
+                await context.write(pb.GenerateResponse(request_id=rid, complete=pb.Complete(
+                    finish_reason=pb.finish_reason_value(o.finish_reason),
+                    usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out[i],
+                                   total_tokens=n_prompt + n_out[i], cached_prompt_tokens=o.num_cached_tokens),
+                    spec=_spec_pb(o.stats, self.engine.k), seed=params.sample(i).seed,
+                    time_to_first_token_s=(first[i] - arrival) if first[i] is not None else 0.0,
+                    elapsed_s=now - arrival, index=i)))
+            if left:
                 continue
-            state["finished"] = True
-            o = final.output
-            if o.finish_reason == "abort" and final.abort_reason == ABORT_SHUTDOWN:
-                await self._fail(context, rid, grpc.StatusCode.UNAVAILABLE,
-                                 "the server shut down before the request finished", n_prompt, n_out)
-                return
-            if o.finish_reason == "abort" and final.abort_reason == ABORT_DEADLINE:
-                await self._fail(context, rid, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 "the request's deadline passed before it finished", n_prompt, n_out)
-                return
-            now = time.perf_counter()
-            await context.write(pb.GenerateResponse(request_id=rid, complete=pb.Complete(
-                finish_reason=pb.finish_reason_value(o.finish_reason),
-                usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                               cached_prompt_tokens=o.num_cached_tokens),
-                spec=_spec_pb(o.stats, self.engine.k), seed=params.seed,
-                time_to_first_token_s=(first - arrival) if first is not None else 0.0,
-                elapsed_s=now - arrival)))
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s finished (%s): %d prompt (%d cached) + %d new tokens, %.3f s", rid, o.finish_reason,
-                          n_prompt, o.num_cached_tokens, n_out, now - arrival)
+                log.debug("%s finished (%s): %d prompt (%d cached) + %d new tokens, %.3f s", rid, ", ".join(reasons),
+                          n_prompt, cached, sum(n_out), time.perf_counter() - arrival)
             return
 
     async def _fail(self, context, rid, code: grpc.StatusCode, message: str, n_prompt: int, n_out: int):
