@@ -264,6 +264,18 @@ def test_logprobs_equal_generate(client, model):
     assert client.generate("def add(a, b):", max_tokens=2).logprobs is None
 
 
+def test_prompt_logprobs_equal_a_full_forward(client, model):
+    prompt = [11, 42, 7, 42, 99, 3, 18, 5, 60]
+    done = client.generate(prompt, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    lp = model.logits(np.asarray([prompt]))[0].astype(np.float64)
+    lp = lp - lp.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    assert [x.token_id for x in done.prompt_logprobs] == prompt[1:]
+    np.testing.assert_allclose([x.logprob for x in done.prompt_logprobs], lp[np.arange(8), prompt[1:]], atol=1e-5)
+    assert all(len(x.top) == 2 for x in done.prompt_logprobs)
+    assert client.generate(prompt, max_tokens=2).prompt_logprobs is None
+
+
 def test_logit_bias_and_penalties_reach_the_engine(client, model):
     prompt = [5, 5, 5, 5]  # its plain greedy output repeats a token within 8
     plain = client.generate(prompt, max_tokens=8, ignore_eos=True).token_ids

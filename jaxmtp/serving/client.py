@@ -68,6 +68,7 @@ class Chunk:
     text: str
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..P-1, in sample 0's first chunk
 
 
 @dataclasses.dataclass
@@ -90,6 +91,7 @@ class Completion:
     cached_prompt_tokens: int = 0  # prompt tokens the server's prefix cache restored instead of prefilling
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request set ``logprobs``
     index: int = 0  # which sample (n > 1)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..P-1 (sample 0), with ``prompt_logprobs``
 
 
 def spec_dict(spec) -> dict:
@@ -110,10 +112,10 @@ def _token_logprobs(entries) -> list[TokenLogprob]:
 
 
 def _set_logits_processing(sp, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-                           min_tokens, logprobs) -> None:
+                           min_tokens, logprobs, prompt_logprobs=None) -> None:
     for name, value in (("min_p", min_p), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("logprobs", logprobs)):
+                        ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sp, name, value)
     for t, v in (logit_bias or {}).items():
@@ -128,14 +130,15 @@ def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messag
                   min_p: float | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   logit_bias: dict | None = None, min_tokens: int = 0, logprobs: int | None = None,
-                  n: int | None = None, num_draft_tokens: int | None = None, request_id: str | None = None,
-                  model: str = ""):
+                  n: int | None = None, prompt_logprobs: int | None = None, num_draft_tokens: int | None = None,
+                  request_id: str | None = None, model: str = ""):
     """A ``GenerateRequest`` from keyword arguments (exactly one of ``prompt`` (text), ``token_ids``, ``messages``;
     a list of ints passed as ``prompt`` counts as token ids). The logits processing takes vLLM's names:
     ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (None: off), ``logit_bias``
     ({token id: value}), ``min_tokens``; ``logprobs`` N: each output token's log-probability and the N most likely
     alternatives (``Chunk.logprobs``, ``Completion.logprobs``). ``n``: samples of the prompt (None: 1; at most the
-    server's slots), sample i with seed + i."""
+    server's slots), sample i with seed + i. ``prompt_logprobs`` N: the same for prompt tokens 1..P-1
+    (``Completion.prompt_logprobs`` of sample 0)."""
     if prompt is not None and not isinstance(prompt, str):
         if token_ids is not None:
             raise ValueError("give the prompt either as prompt or as token_ids, not both")
@@ -157,7 +160,7 @@ def build_request(prompt=None, *, token_ids: Sequence[int] | None = None, messag
     if stop_token_ids:
         sp.stop_token_ids.extend(int(t) for t in stop_token_ids)
     _set_logits_processing(sp, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-                           min_tokens, logprobs)
+                           min_tokens, logprobs, prompt_logprobs)
     if n is not None:
         sp.n = n
     req = pb.GenerateRequest(request_id=request_id or "", model=model, sampling=sp)
@@ -188,6 +191,7 @@ class Stream:
         self._ids: dict[int, list[int]] = {}
         self._text: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[TokenLogprob]] | None = {} if logprobs else None
+        self._prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def completions(self) -> list[Completion]:
@@ -206,7 +210,10 @@ class Stream:
                     if self._logprobs is not None:
                         logprobs = _token_logprobs(msg.chunk.logprobs)
                         self._logprobs.setdefault(i, []).extend(logprobs)
-                    yield Chunk(ids, msg.chunk.text, logprobs, i)
+                    prompt_lps = None
+                    if len(msg.chunk.prompt_logprobs):
+                        prompt_lps = self._prompt_logprobs = _token_logprobs(msg.chunk.prompt_logprobs)
+                    yield Chunk(ids, msg.chunk.text, logprobs, i, prompt_lps)
                 elif kind == "complete":
                     c, i = msg.complete, msg.complete.index
                     done = self._done[i] = Completion(
@@ -215,7 +222,8 @@ class Stream:
                         prompt_tokens=c.usage.prompt_tokens, completion_tokens=c.usage.completion_tokens, seed=c.seed,
                         spec=spec_dict(c.spec), time_to_first_token=c.time_to_first_token_s, elapsed=c.elapsed_s,
                         cached_prompt_tokens=c.usage.cached_prompt_tokens,
-                        logprobs=None if self._logprobs is None else self._logprobs.get(i, []), index=i)
+                        logprobs=None if self._logprobs is None else self._logprobs.get(i, []), index=i,
+                        prompt_logprobs=self._prompt_logprobs if i == 0 else None)
                     if self.n == 1:
                         self.completion = done
                 elif kind == "error":

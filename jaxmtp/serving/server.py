@@ -146,10 +146,10 @@ def _spec_pb(s: SpecStats | None, k: int):
                         mean_acceptance_length=s.mean_acceptance_length)
 
 
-def _add_logprobs(chunk, logprobs) -> None:
-    """Append the engine's :class:`jaxmtp.engine.TokenLogprob` s to ``chunk.logprobs``."""
+def _add_logprobs(field, logprobs) -> None:
+    """Append the engine's :class:`jaxmtp.engine.TokenLogprob` s to a repeated ``TokenLogprob`` field."""
     for lp in logprobs:
-        entry = chunk.logprobs.add(token_id=int(lp.token_id), logprob=float(lp.logprob))
+        entry = field.add(token_id=int(lp.token_id), logprob=float(lp.logprob))
         for t, v in lp.top:
             entry.top.add(token_id=int(t), logprob=float(v))
 
@@ -404,6 +404,7 @@ class GenerationServer:
             logit_bias={int(t): float(v) for t, v in s.logit_bias.items()},
             min_tokens=int(s.min_tokens),
             logprobs=int(s.logprobs) if s.HasField("logprobs") else None,
+            prompt_logprobs=int(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None,
             n=int(s.n) if s.HasField("n") else 1,
         ).with_seed()
         stop_id_row(params, self.model.eos_token_ids)  # raises if stop ids + EOS ids overflow the device row
@@ -565,6 +566,7 @@ class GenerationServer:
             while not queue.empty():  # merge what piled up while we were writing
                 batch.append(queue.get_nowait())
             merged: dict[int, tuple[list, list, list, list]] = {}  # sample -> (ids, text, logprobs, [final])
+            prompt_lps = None
             for d in batch:
                 if d.error is not None:
                     state["finished"] = True
@@ -572,6 +574,8 @@ class GenerationServer:
                                      n_prompt, sum(n_out))
                     return
                 o = d.output
+                if o.prompt_logprobs is not None:
+                    prompt_lps = o.prompt_logprobs[1:]
                 new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
                 new_ids += o.token_ids
                 text.append(o.text)
@@ -585,7 +589,9 @@ class GenerationServer:
                         first[i] = time.perf_counter()
                     chunk = pb.Chunk(token_ids=new_ids, text="".join(text), prompt_tokens=n_prompt,
                                      completion_tokens=n_out[i], index=i)
-                    _add_logprobs(chunk, logprobs)
+                    _add_logprobs(chunk.logprobs, logprobs)
+                    if i == 0 and prompt_lps is not None:
+                        _add_logprobs(chunk.prompt_logprobs, prompt_lps)
                     await context.write(pb.GenerateResponse(request_id=rid, chunk=chunk))
                 if not final:
                     continue
