@@ -209,3 +209,52 @@ def test_the_warm_up_compiles_the_copies_and_changes_nothing(models):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
                                                     jax.tree_util.tree_leaves(after)))
     assert all(f._cache_size() >= 1 for f in (eng._save_block, eng._save_snapshot, eng._restore))
+
+
+@pytest.mark.parametrize("kind,k", [("dense", 3), ("next", 2)])
+def test_a_conversation_resumes_where_the_last_turn_ended(models, kind, k, rng):
+    """A finished request's slot holds its prompt and output but the last token (steps commit what they emit, also
+    when a stop cuts an accepted window), published off the grid: the next turn (prompt + output + more) resumes
+    there, with the tokens, drafts and KV rows of a cold cache."""
+    model = models[kind]
+    vocab = model.config.vocab_size - 2
+    warm = _engine(model, k)
+    first = rng.integers(0, vocab, 2 * G + 5).tolist()
+    plain, _ = _run(_engine(model, k, cache_bytes=0), [first], [SamplingParams(max_new_tokens=14, ignore_eos=True)])
+    stop_at = next(i for i in range(4, 14) if plain[0][i] not in plain[0][:i])
+    turns = [  # ends at its budget; ends at a stop id inside an accepted window (seeded turn after it)
+        (first, SamplingParams(max_new_tokens=14, ignore_eos=True)),
+        (first, SamplingParams(max_new_tokens=14, ignore_eos=True, stop_token_ids=(plain[0][stop_at],))),
+    ]
+    for i, (prompt, params) in enumerate(turns):
+        out, _ = _run(warm, [prompt], [params])
+        assert params.stop_token_ids == () or out[0][-1] == params.stop_token_ids[0]
+        nxt = prompt + out[0] + rng.integers(0, vocab, 6).tolist()
+        follow = [SamplingParams(max_new_tokens=9, temperature=0.9, seed=5 + i, ignore_eos=True)]
+        cold_drafts, hit_drafts = [], []
+        cold = _engine(model, k, cache_bytes=0)
+        want, _ = _run(cold, [nxt], follow, cold_drafts)
+        got, cached = _run(warm, [nxt], follow, hit_drafts)
+        assert cached[0] == len(prompt) + len(out[0]) - 1, (i, cached)  # the last turn's state, off the grid
+        assert got == want and hit_drafts == cold_drafts, i
+        # the output's rows came from verify windows, a cold run's from a prefill chunk: the same up to rounding
+        for a, b in zip(_kv_rows(warm, len(nxt)), _kv_rows(cold, len(nxt))):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"turn {i}")
+
+
+def test_tail_snapshots_are_found_longest_first_and_evicted_with_their_block():
+    idx = PrefixIndex(4, num_blocks=4, num_snapshots=2)
+    seq = np.arange(20, dtype=np.int32)
+    keys = block_keys(seq, 4, 2)
+    for key in keys:
+        idx.add_block(key)
+    short = idx.add_tail_snapshot(keys, seq[8:9], 9)  # state after 9 ids, token 9 next
+    long = idx.add_tail_snapshot(keys, seq[8:11], 11)  # after 11 ids
+    assert short and long and short[1] != long[1]
+    hit = idx.lookup(seq[:14])
+    assert (hit.tokens, hit.snapshot, hit.blocks[-1]) == (11, long[0], long[1]) and len(hit.blocks) == 3
+    assert idx.lookup(np.r_[seq[:10], 99, 98]).tokens == 9  # departs after the short tail
+    assert idx.lookup(seq[:11]).tokens == 9  # the long tail needs one id left to prefill past it
+    idx.used(idx.lookup(seq[:14]))
+    idx.add_tail_snapshot(block_keys(seq + 50, 4, 2), (seq + 50)[8:10], 60)  # evicts the least recent (short)
+    assert idx.lookup(np.r_[seq[:10], 99, 98]) is None and idx.lookup(seq[:14]).tokens == 11

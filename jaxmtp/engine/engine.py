@@ -531,6 +531,36 @@ class Engine:
         if snap is not None:
             self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
 
+    def _publish_finished(self, r: _Request) -> None:
+        """After ``r`` ended on the device (a stop id or its budget): its slot holds exactly its prompt and output
+        but the last token (steps commit what they emit), so hold that state for a later prompt that continues the
+        conversation: whole blocks as for prompts, the rows past the last boundary as a block of their own, and a
+        snapshot keyed by every id and the last token (:meth:`PrefixIndex.add_tail_snapshot`)."""
+        idx, g = self.prefix_cache, self.prefix_cache.granularity
+        seq = np.concatenate([r.prompt, np.asarray(r.generated, np.int32)])
+        length = seq.size - 1  # positions the target consumed; seq[length] is the slot's ``last``
+        m = length // g
+        if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
+            return  # no whole tail block fits the slot's rows past the last boundary
+        keys, slot = _prefix.block_keys(seq, g, m), jnp.int32(r.slot)
+        for i in idx.missing_blocks(keys):
+            block = idx.add_block(keys[i])
+            if block is None:
+                return
+            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
+                                                      jnp.int32(block))
+        if length % g == 0:
+            snap = idx.add_snapshot(keys, seq[length]) if not idx.has_snapshot(keys[-1], seq[length]) else None
+            if snap is not None:
+                self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+            return
+        ids = idx.add_tail_snapshot(keys, seq[m * g : length], seq[length])
+        if ids is None:
+            return
+        snap, block = ids
+        self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(m * g), jnp.int32(block))
+        self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+
     def prefix_cache_stats(self) -> dict | None:
         """The prefix cache's counters (queried / hit prompt tokens, evictions, blocks and snapshots held) and its
         pools' bytes; None when it is off."""
@@ -661,6 +691,8 @@ class Engine:
         for i, r in enumerate(group):
             start = r.prefilled
             n = min(chunk, limit[id(r)] - start)
+            if self.prefix_cache is not None and start % self.prefix_cache.granularity:  # resumed off the grid
+                n = min(n, self.prefix_cache.granularity - start % self.prefix_cache.granularity)
             slots[i] = r.slot
             tokens[i, :n] = r.prompt[start : start + n]
             positions[i, :n] = np.arange(start, start + n)
@@ -698,6 +730,8 @@ class Engine:
                                                                               r.params.logprobs))
             if finished[i] and not r.done:
                 self._finish(outputs, r, _REASONS[int(reason[i])])
+                if self.prefix_cache is not None:
+                    self._publish_finished(r)
             if r.done:
                 done_slots.append(r.slot)
         self._free(done_slots)
@@ -812,6 +846,8 @@ class Engine:
                            _token_logprobs(lps, (step, s), ids, r.params.logprobs))
                 if out["finished"][step, s] and not r.done:
                     self._finish(outputs, r, _REASONS[int(out["reason"][step, s])])
+                    if self.prefix_cache is not None:
+                        self._publish_finished(r)
         for s, r in enumerate(self._slots):
             if r is not None and r.done:
                 done_slots.append(s)

@@ -49,6 +49,14 @@ def block_keys(tokens: np.ndarray, granularity: int, n: int | None = None) -> li
     return keys
 
 
+def _tail_matches(key: tuple, prompt: np.ndarray, start: int) -> bool:
+    """Whether a tail snapshot's ids (``key[1]``) follow ``start`` in ``prompt``, with its token after them (and one
+    token at least left to prefill past them)."""
+    tail = np.frombuffer(key[1], np.int32)
+    end = start + tail.size
+    return end < len(prompt) and int(prompt[end]) == key[2] and np.array_equal(prompt[start:end], tail)
+
+
 @dataclasses.dataclass
 class Hit:
     """A usable snapshot: resume at ``tokens`` (a multiple of G) from snapshot ``snapshot`` over ``blocks``; ``key``
@@ -70,6 +78,9 @@ class PrefixIndex:
         self.num_blocks, self.num_snapshots = num_blocks, num_snapshots
         self._blocks: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> block id, LRU first
         self._snaps: collections.OrderedDict[tuple, tuple[int, list[bytes]]] = collections.OrderedDict()
+        # finished requests' snapshots off the grid: block key at the last boundary (b"" at 0) -> their keys
+        # (block key, tail ids, token after); the tail's KV rows are a block of their own, the last they hold
+        self._tails: collections.defaultdict[bytes, set] = collections.defaultdict(set)
         self._refs: collections.Counter = collections.Counter()  # block key -> snapshots holding it
         self._free_blocks = list(range(num_blocks))[::-1]
         self._free_snaps = list(range(num_snapshots))[::-1]
@@ -85,16 +96,28 @@ class PrefixIndex:
         Counts the query; the caller counts the hit (:meth:`used`)."""
         self.queried_tokens += len(prompt)
         keys = self.prompt_keys(prompt) if keys is None else keys
-        for i in range(len(keys), 0, -1):
-            p = i * self.granularity
-            key = (keys[i - 1], int(prompt[p]))
-            entry = self._snaps.get(key)
-            if entry is None:
-                continue
-            snap, held = entry
-            if all(k in self._blocks for k in held):
-                return Hit(p, [self._blocks[k] for k in held], snap, key, held)
+        g = self.granularity
+        for i in range(len(keys), -1, -1):
+            base = keys[i - 1] if i else b""
+            tails = [key for key in self._tails.get(base, ()) if _tail_matches(key, prompt, i * g)]
+            for key in sorted(tails, key=lambda key: -len(key[1])):  # the longest usable tail first
+                hit = self._hit(i * g + len(key[1]) // 4, key)
+                if hit is not None:
+                    return hit
+            if i:
+                hit = self._hit(i * g, (keys[i - 1], int(prompt[i * g])))
+                if hit is not None:
+                    return hit
         return None
+
+    def _hit(self, tokens: int, key: tuple) -> Hit | None:
+        entry = self._snaps.get(key)
+        if entry is None:
+            return None
+        snap, held = entry
+        if not all(k in self._blocks for k in held):
+            return None
+        return Hit(tokens, [self._blocks[k] for k in held], snap, key, held)
 
     def used(self, hit: Hit) -> None:
         """Mark ``hit`` (from :meth:`lookup`) as used now: its entries become the most recent."""
@@ -113,7 +136,9 @@ class PrefixIndex:
     def _evict_snapshot(self) -> bool:
         if not self._snaps:
             return False
-        _, (snap, held) = self._snaps.popitem(last=False)
+        key, (snap, held) = self._snaps.popitem(last=False)
+        if len(key) == 3:  # a tail snapshot
+            self._tails[key[0]].discard(key)
         for k in held:
             self._refs[k] -= 1
         self._free_snaps.append(snap)
@@ -157,6 +182,32 @@ class PrefixIndex:
             self._refs[k] += 1
             self._blocks.move_to_end(k)
         return snap
+
+    def add_tail_snapshot(self, keys: list[bytes], tail: np.ndarray, next_token: int) -> tuple[int, int] | None:
+        """Ids (snapshot, tail block) for a finished request's state after ``keys``' whole blocks and ``tail``
+        (0 < len < G ids past them) with ``next_token`` after it, or None if the pools have no room. The whole blocks
+        must be present (:meth:`missing_blocks`); the caller fills the tail block and the snapshot."""
+        tail_ids = np.ascontiguousarray(tail, np.int32).tobytes()
+        key = (keys[-1] if keys else b"", tail_ids, int(next_token))
+        if key in self._snaps:
+            self._snaps.move_to_end(key)
+            return None
+        tail_key = hashlib.sha256(b"tail" + key[0] + tail_ids).digest()
+        block = self.add_block(tail_key)
+        if block is None:
+            return None
+        if not self._free_snaps and not self._evict_snapshot():
+            return None
+        held = list(keys) + [tail_key]
+        if any(k not in self._blocks for k in held):  # an eviction above took one of them
+            return None
+        snap = self._free_snaps.pop()
+        self._snaps[key] = (snap, held)
+        self._tails[key[0]].add(key)
+        for k in held:
+            self._refs[k] += 1
+            self._blocks.move_to_end(k)
+        return snap, block
 
     def stats(self) -> dict:
         return {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens, "evictions": self.evictions,

@@ -359,20 +359,18 @@ def spec_step(params, state: SlotState, *, cfg: Qwen35Config, k: int, backend: B
     else:
         t = choose_tokens(logits, state.temperature, state.top_k, state.top_p, state.seed_lo, state.seed_hi, index,
                           backend, sampling)
-    if k > 0:
-        a = jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32)
-        n = a + 1
-
-        n_commit = jnp.where(act, n, 0)  # inactive rows commit nothing: their carry stays as it was
-        carry = commit_window(carry, n_commit, backend)
-    else:
-        a = jnp.zeros_like(state.length)
-        n = a + 1
+    a = (jnp.sum(jnp.cumprod(state.drafts == t[:, :k], axis=1), axis=1).astype(jnp.int32) if k > 0
+         else jnp.zeros_like(state.length))
+    n = a + 1
     n_emit, finished, reason = _finish(t, n, state.generated, state.max_gen, state.stop_ids)
     n_emit = jnp.where(act, n_emit, 0)
     finished, reason = finished & act, jnp.where(act, reason, NONE)
-    new_length = jnp.where(act, state.length + n, state.length)
-    new_last = jnp.take_along_axis(t, a[:, None], axis=1)[:, 0]
+    # A row commits what it emits: all n tokens, or up to its stop / budget when it finishes, so that a finished
+    # slot's state is exactly its prompt and output but the last token (``last``): a prefix-cache snapshot.
+    if k > 0:
+        carry = commit_window(carry, n_emit, backend)  # inactive rows commit nothing: their carry stays as it was
+    new_length = jnp.where(act, state.length + n_emit, state.length)
+    new_last = jnp.take_along_axis(t, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
     new = state.replace(carry=carry, length=new_length, last=jnp.where(act, new_last, state.last),
                         generated=state.generated + n_emit, active=act & ~finished)
     if features:
