@@ -519,17 +519,22 @@ class Engine:
         the slot, so any later restore reads them filled)."""
         idx, g = self.prefix_cache, self.prefix_cache.granularity
         keys, slot = r.keys[: end // g], jnp.int32(r.slot)
-        if idx.has_snapshot(keys[-1], r.prompt[end]):
+        if idx.has_snapshot(keys[-1], r.prompt[end]) or not self._save_missing_blocks(keys, slot):
             return
-        for i in idx.missing_blocks(keys):
-            block = idx.add_block(keys[i])
-            if block is None:
-                return
-            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
-                                                      jnp.int32(block))
         snap = idx.add_snapshot(keys, r.prompt[end])
         if snap is not None:
             self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+
+    def _save_missing_blocks(self, keys: list[bytes], slot) -> bool:
+        """Copy ``slot``'s rows of each block of ``keys`` the pool lacks into it; False if the pool has no room."""
+        idx, g = self.prefix_cache, self.prefix_cache.granularity
+        for i in idx.missing_blocks(keys):
+            block = idx.add_block(keys[i])
+            if block is None:
+                return False
+            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
+                                                      jnp.int32(block))
+        return True
 
     def _publish_finished(self, r: _Request) -> None:
         """After ``r`` ended on the device (a stop id or its budget): its slot holds exactly its prompt and output
@@ -543,12 +548,8 @@ class Engine:
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
         keys, slot = _prefix.block_keys(seq, g, m), jnp.int32(r.slot)
-        for i in idx.missing_blocks(keys):
-            block = idx.add_block(keys[i])
-            if block is None:
-                return
-            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
-                                                      jnp.int32(block))
+        if not self._save_missing_blocks(keys, slot):
+            return
         if length % g == 0:
             snap = idx.add_snapshot(keys, seq[length]) if not idx.has_snapshot(keys[-1], seq[length]) else None
             if snap is not None:

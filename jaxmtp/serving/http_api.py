@@ -50,6 +50,7 @@ from jaxmtp.serving.scheduler import (
     DuplicateRequestError,
     QueueFullError,
     SchedulerClosedError,
+    merge_by_sample,
 )
 from jaxmtp.serving.tool_parser import THINK_END, ChatOutputParser, Part, prompt_opens_reasoning
 
@@ -781,7 +782,6 @@ class _Job:
             batch = [d]
             while not self.queue.empty():  # merge what piled up while we were writing
                 batch.append(self.queue.get_nowait())
-            merged: dict[int, tuple[list, list, list, list]] = {}  # sample -> (ids, text, logprobs, [final])
             for d in batch:
                 if d is None:  # the client disconnected
                     self.finished = True
@@ -790,14 +790,7 @@ class _Job:
                     self.finished = True
                     self.failure = ApiError(500, f"the engine failed: {d.error!r}")
                     return
-                o = d.output
-                new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
-                new_ids += o.token_ids
-                text.append(o.text)
-                logprobs += o.logprobs or []
-                if o.finished:
-                    final.append(d)
-            for i, (new_ids, text, logprobs, final) in merged.items():
+            for i, (new_ids, text, logprobs, final) in merge_by_sample(batch).items():
                 c, text, failure = self.choices[i], "".join(text), None
                 c.n_out += len(new_ids)
                 c.logprobs += logprobs

@@ -62,6 +62,21 @@ class Delivery:
     error: BaseException | None = None
 
 
+def merge_by_sample(batch: list[Delivery]) -> dict[int, tuple[list, list, list, list]]:
+    """Engine deltas that piled up for one request (no errors among them), merged per sample: index -> (token ids,
+    text parts, logprobs, the final delivery if that sample ended)."""
+    merged: dict[int, tuple[list, list, list, list]] = {}
+    for d in batch:
+        o = d.output
+        new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
+        new_ids += o.token_ids
+        text.append(o.text)
+        logprobs += o.logprobs or []
+        if o.finished:
+            final.append(d)
+    return merged
+
+
 @dataclasses.dataclass
 class _Entry:
     rid: str

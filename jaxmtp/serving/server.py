@@ -45,6 +45,7 @@ from jaxmtp.serving.scheduler import (
     QueueFullError,
     Scheduler,
     SchedulerClosedError,
+    merge_by_sample,
 )
 
 log = logging.getLogger("jaxmtp.serve")
@@ -565,7 +566,6 @@ class GenerationServer:
             batch = [d]
             while not queue.empty():  # merge what piled up while we were writing
                 batch.append(queue.get_nowait())
-            merged: dict[int, tuple[list, list, list, list]] = {}  # sample -> (ids, text, logprobs, [final])
             prompt_lps = None
             for d in batch:
                 if d.error is not None:
@@ -573,16 +573,9 @@ class GenerationServer:
                     await self._fail(context, rid, grpc.StatusCode.INTERNAL, f"the engine failed: {d.error!r}",
                                      n_prompt, sum(n_out))
                     return
-                o = d.output
-                if o.prompt_logprobs is not None:
-                    prompt_lps = o.prompt_logprobs[1:]
-                new_ids, text, logprobs, final = merged.setdefault(o.index, ([], [], [], []))
-                new_ids += o.token_ids
-                text.append(o.text)
-                logprobs += o.logprobs or []
-                if o.finished:
-                    final.append(d)
-            for i, (new_ids, text, logprobs, final) in merged.items():
+                if d.output.prompt_logprobs is not None:
+                    prompt_lps = d.output.prompt_logprobs[1:]
+            for i, (new_ids, text, logprobs, final) in merge_by_sample(batch).items():
                 if new_ids or any(text):
                     n_out[i] += len(new_ids)
                     if first[i] is None and new_ids:
