@@ -7,7 +7,8 @@ One speculative step over all slots, with fixed shape ``[slots, k + 1]``:
 2. accept: the target's token ``t_i`` at each position (greedy or seeded Gumbel-max, see :mod:`jaxmtp.sampling`);
    ``a`` = number of leading drafts equal to ``t``; the step emits ``t_0 .. t_a``, cut at a stop id or the slot's
    token budget;
-3. rollback: each GDN layer commits its first ``a + 1`` tokens (the rule runs again over them from the old state,
+3. rollback: each GDN layer commits the tokens the step emits, ``a + 1`` or fewer where a stop or the budget ends
+   the request inside the window (the rule runs again over them from the old state,
    :func:`jaxmtp.model.commit_window`, every layer in one kernel launch); KV caches just advance
    ``length`` (rows past it are stale and overwritten later);
 4. draft: the MTP head runs over the window with ``t`` as next tokens and the target's hidden states (every row
