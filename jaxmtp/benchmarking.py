@@ -150,12 +150,13 @@ def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, 
     return eng
 
 
-def timed_loops(eng: Engine, params, n: int) -> list[tuple[float, dict]]:
-    """``n`` device loops of ``eng``, each timed until its outputs are on the host: ``[(seconds, outputs)]``."""
+def timed_loops(eng: Engine, params, n: int, loop=None) -> list[tuple[float, dict]]:
+    """``n`` device loops of ``eng`` (``loop``: one of its jitted loops; default the one it would run), each timed
+    until its outputs are on the host: ``[(seconds, outputs)]``."""
     res = []
     for _ in range(n):
         t0 = time.perf_counter()
-        eng.state, out = eng.device_loop()(params, eng.state)
+        eng.state, out = (loop or eng.device_loop())(params, eng.state)
         out = jax.device_get(out)
         res.append((time.perf_counter() - t0, out))
     return res

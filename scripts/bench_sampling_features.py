@@ -13,27 +13,17 @@ settings time it. Whether the greedy loop is as fast as before the features exis
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp import shapes
-from jaxmtp.benchmarking import PUBLISHED_AL, random_model, run_metadata, synthetic_engine, tiny_config, write_json
+from jaxmtp.benchmarking import (PUBLISHED_AL, random_model, run_metadata, synthetic_engine, timed_loops,
+                                 tiny_config, write_json)
 from jaxmtp.engine.warmup import FEATURES
 
 MODES = {"greedy": False, "sampling": True, "features": FEATURES}
-
-
-def loop_ms(eng, fn, params, syncs: int) -> float:
-    ts = []
-    for _ in range(syncs):
-        t0 = time.perf_counter()
-        eng.state, out = fn(params, eng.state)
-        jax.device_get(out)
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / eng.steps_per_sync * 1e3
 
 
 def measure(model, batch: int, k: int, args) -> list[dict]:
@@ -45,7 +35,8 @@ def measure(model, batch: int, k: int, args) -> list[dict]:
     times = {name: [] for name in loops}
     for _ in range(args.rounds):
         for name, fn in loops.items():
-            times[name].append(loop_ms(eng, fn, model.params, args.syncs))
+            ts = [dt for dt, _ in timed_loops(eng, model.params, args.syncs, fn)]
+            times[name].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
     base = float(np.median(times["greedy"]))
     return [{"batch": batch, "k": k, "loop": name, "step_ms": float(np.median(ts)), "rounds_ms": ts,
              "ratio_to_greedy": float(np.median(ts)) / base,

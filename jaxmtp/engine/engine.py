@@ -517,11 +517,15 @@ class Engine:
         """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): hold its blocks
         and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies enqueued after the chunk that filled
         the slot, so any later restore reads them filled)."""
-        idx, g = self.prefix_cache, self.prefix_cache.granularity
-        keys, slot = r.keys[: end // g], jnp.int32(r.slot)
-        if idx.has_snapshot(keys[-1], r.prompt[end]) or not self._save_missing_blocks(keys, slot):
+        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), jnp.int32(r.slot))
+
+    def _publish_snapshot(self, keys: list[bytes], next_token: int, slot) -> None:
+        """Hold ``slot``'s state at the boundary after ``keys``' blocks, with ``next_token`` at it: the blocks the
+        pool lacks, then the snapshot (unless held already, or the pools have no room)."""
+        idx = self.prefix_cache
+        if idx.has_snapshot(keys[-1], next_token) or not self._save_missing_blocks(keys, slot):
             return
-        snap = idx.add_snapshot(keys, r.prompt[end])
+        snap = idx.add_snapshot(keys, next_token)
         if snap is not None:
             self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
 
@@ -537,10 +541,12 @@ class Engine:
         return True
 
     def _publish_finished(self, r: _Request) -> None:
-        """After ``r`` ended on the device (a stop id or its budget): its slot holds exactly its prompt and output
+        """With the prefix cache on, after ``r`` ended on the device (a stop id or its budget): its slot holds exactly its prompt and output
         but the last token (steps commit what they emit), so hold that state for a later prompt that continues the
         conversation: whole blocks as for prompts, the rows past the last boundary as a block of their own, and a
         snapshot keyed by every id and the last token (:meth:`PrefixIndex.add_tail_snapshot`)."""
+        if self.prefix_cache is None:
+            return
         idx, g = self.prefix_cache, self.prefix_cache.granularity
         seq = np.concatenate([r.prompt, np.asarray(r.generated, np.int32)])
         length = seq.size - 1  # positions the target consumed; seq[length] is the slot's ``last``
@@ -548,12 +554,10 @@ class Engine:
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
         keys, slot = _prefix.block_keys(seq, g, m), jnp.int32(r.slot)
-        if not self._save_missing_blocks(keys, slot):
+        if length % g == 0:  # on the grid: a snapshot as a prompt's
+            self._publish_snapshot(keys, int(seq[length]), slot)
             return
-        if length % g == 0:
-            snap = idx.add_snapshot(keys, seq[length]) if not idx.has_snapshot(keys[-1], seq[length]) else None
-            if snap is not None:
-                self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+        if not self._save_missing_blocks(keys, slot):
             return
         ids = idx.add_tail_snapshot(keys, seq[m * g : length], seq[length])
         if ids is None:
@@ -731,8 +735,7 @@ class Engine:
                                                                               r.params.logprobs))
             if finished[i] and not r.done:
                 self._finish(outputs, r, _REASONS[int(reason[i])])
-                if self.prefix_cache is not None:
-                    self._publish_finished(r)
+                self._publish_finished(r)
             if r.done:
                 done_slots.append(r.slot)
         self._free(done_slots)
@@ -847,8 +850,7 @@ class Engine:
                            _token_logprobs(lps, (step, s), ids, r.params.logprobs))
                 if out["finished"][step, s] and not r.done:
                     self._finish(outputs, r, _REASONS[int(out["reason"][step, s])])
-                    if self.prefix_cache is not None:
-                        self._publish_finished(r)
+                    self._publish_finished(r)
         for s, r in enumerate(self._slots):
             if r is not None and r.done:
                 done_slots.append(s)

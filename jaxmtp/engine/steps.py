@@ -199,13 +199,12 @@ def choose_tokens(logits, temperature, top_k, top_p, seed_lo, seed_hi, index, ba
     return vocab_argmax(logits, tp)
 
 
-PROCESSING_FIELDS = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens",
-                     "bias_ids", "bias_vals")
 LOGPROB_COLUMNS = 1 + 2 * MAX_LOGPROBS  # per position: the token's logprob, the top ids, their logprobs
 
 
 def neutral_processing(b: int) -> dict:
-    """Logits-processing settings that change nothing, for ``b`` admission rows (:data:`PROCESSING_FIELDS`, numpy)."""
+    """Logits-processing settings that change nothing, for ``b`` admission rows: the :class:`SlotState` fields
+    min_p, the three penalties, min_tokens and the logit bias by name (numpy)."""
     import numpy as np
 
     return {"min_p": np.zeros((b,), np.float32), "repetition_penalty": np.ones((b,), np.float32),
