@@ -72,14 +72,16 @@ def _start_server(cmd: list[str], timeout: float) -> dict:
             prompt = "def fibonacci(n):" if info["has_tokenizer"] else [1, 2, 3]
             out = c.generate(prompt, max_tokens=32, ignore_eos=True)
             request = time.perf_counter() - t
-            background = None
+            background, late = None, info
             while time.perf_counter() - t0 < timeout:
                 late = c.model_info()
                 if late["executables_compiled"] >= late["executables_total"]:
                     background = time.perf_counter() - t0
                     break
                 time.sleep(0.5)
-        return {"listening_s": listening, "serving_s": serving, "warmup_s": info["warmup_s"],
+        log.seek(0)
+        lines = [x for x in log.read().splitlines() if " INFO " in x]  # the memory plan's lines, then the last
+        return {"server_log": [x for x in lines if "memory" in x] + lines[-20:], "listening_s": listening, "serving_s": serving, "warmup_s": info["warmup_s"],
                 "executables_before_serving": info["warmup_done"], "executables_total": info["executables_total"],
                 "warmup_executables": [x for x in info["executables"] if x["phase"] == "warmup"],
                 "first_request_s": request, "first_request_tokens": out.completion_tokens,
@@ -103,7 +105,7 @@ def serve_main(args) -> int:
     cmd = [sys.executable, "-m", "jaxmtp.serve", "--port", "0", "--compile-cache-dir", cache]
     cmd += shlex.split(args.serve_args)
     runs = {}
-    for name in ("first", "second"):
+    for name in ("first", "second")[:args.starts]:
         load = os.getloadavg()
         runs[name] = {**_start_server(cmd, args.timeout), "load_average_before": load,
                       "load_average_after": os.getloadavg()}
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--serve", action="store_true", help="time python -m jaxmtp.serve starts (first, cached)")
     ap.add_argument("--serve-args", default="", help="--serve: extra server flags")
     ap.add_argument("--cache-dir", default=None, help="--serve: the compilation cache (default: a fresh one)")
+    ap.add_argument("--starts", type=int, default=2, choices=(1, 2), help="--serve: a first start only, or also a "
+                    "second (cached)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="--serve: seconds per start")
     ap.add_argument("--model", default="qwen3.5-4b")
     ap.add_argument("--slots", type=int, default=8)

@@ -72,8 +72,9 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
                                draft_head_bits=draft_head_bits)
         return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
                      backend=layout.backend(backend), layout=layout)
-    params = jax.jit(init_params, static_argnums=(0, 2, 3, 4))(cfg, jax.random.key(seed), dtype, 0.02,
-                                                                STANDARD if quantization else None)
+    # drawn op by op: one jit of the whole init is a program of thousands of random ops whose compile took minutes
+    # at the 0.8B-4B shapes; op by op compiles one small kernel per distinct shape
+    params = init_params(cfg, jax.random.key(seed), dtype, 0.02, STANDARD if quantization else None)
     ids = None if draft_vocab is None else read_draft_vocab(np.arange(draft_vocab), cfg.vocab_size)
     params = serving_layout(params, draft_head=int8_draft_head, draft_vocab=ids, draft_head_bits=draft_head_bits,
                             backend=backend)
