@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -312,6 +313,13 @@ def main(argv=None) -> int:
         return 2
     log.info("GPU memory fraction: %s", fraction if fraction is not None else "JAX's")
 
+    if args.http:  # a missing dependency is an error now, not after minutes of loading and a port already bound
+        try:
+            importlib.import_module("jaxmtp.serving.http_api")
+        except ImportError as e:
+            log.error("the OpenAI-compatible HTTP API needs %s (pip install 'starlette>=0.37' 'uvicorn>=0.29', "
+                      "which jaxmtp's install brings); or serve gRPC only with --no-http", e.name or e)
+            return 2
     try:
         return asyncio.run(serve(args))
     except (EngineConfigError, ValueError, FileNotFoundError, OSError) as e:

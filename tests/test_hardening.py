@@ -296,6 +296,23 @@ def test_busy_port_is_a_one_line_settings_error(ckpt, server):
     assert len(errors) == 1 and "could not bind" in errors[0] and port in errors[0], proc.stderr
 
 
+def test_missing_http_dependency_is_a_one_line_error_before_loading(monkeypatch, caplog):
+    """Without starlette the HTTP API cannot start: the server says so and exits 2 before it loads the model or binds
+    a port (where it once crashed after 'listening', and a client waited out its deadline)."""
+    from jaxmtp import serve
+
+    monkeypatch.setitem(sys.modules, "starlette", None)  # ``import starlette`` now raises ImportError
+    monkeypatch.delitem(sys.modules, "jaxmtp.serving.http_api", raising=False)
+    monkeypatch.setattr(serve, "load_model", lambda args: pytest.fail("loaded the model before the check"))
+    # this process's JAX settings stay as the other tests set them
+    monkeypatch.setattr("jaxmtp.compile_cache.enable_from_args", lambda args: None)
+    monkeypatch.setattr("jaxmtp.engine.memory.set_memory_fraction", lambda fraction: None)
+    with caplog.at_level(logging.ERROR, logger="jaxmtp.serve"):
+        assert serve.main(["--random-model", "tiny", "--port", "0"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "starlette" in errors[0] and "--no-http" in errors[0], errors
+
+
 # ---- item 7: API key and TLS -------------------------------------------------------------------------------------
 def _self_signed(tmp_path):
     crypto = pytest.importorskip("cryptography")  # noqa: F841
