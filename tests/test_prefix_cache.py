@@ -258,3 +258,30 @@ def test_tail_snapshots_are_found_longest_first_and_evicted_with_their_block():
     idx.used(idx.lookup(seq[:14]))
     idx.add_tail_snapshot(block_keys(seq + 50, 4, 2), (seq + 50)[8:10], 60)  # evicts the least recent (short)
     assert idx.lookup(np.r_[seq[:10], 99, 98]) is None and idx.lookup(seq[:14]).tokens == 11
+
+
+def test_under_tensor_parallelism_the_pools_split_over_the_ranks_and_hits_stay_exact(checkpoint_factory, rng):
+    """TP 2 (the CPU's devices): the pools are split over the ranks as the carries (each device holds half of every
+    entry, as the plan counts), and requests resumed from them give one device's tokens and accepted drafts on a
+    cold cache; data parallelism is refused with the cache on."""
+    path = checkpoint_factory("dense")[0]
+    one = jaxmtp.load(path, dtype="float32", backend="xla", progress=False)
+    tp2 = jaxmtp.load(path, dtype="float32", backend="xla", progress=False, tensor_parallel_size=2)
+    vocab = one.config.vocab_size - 2
+    base = rng.integers(0, vocab, 2 * G + 5).tolist()
+    prompts = [base + rng.integers(0, vocab, 6).tolist(), base[: G + 3] + rng.integers(0, vocab, 9).tolist()]
+    warm = _engine(tp2, 3)
+    pooled = sum(a.nbytes for a in jax.tree_util.tree_leaves(warm._pool))
+    assert warm.plan.prefix_cache * 2 == pooled, (warm.plan.prefix_cache, pooled)  # the plan counts one device's
+    for leaf in jax.tree_util.tree_leaves(warm._pool):
+        assert leaf.addressable_shards[0].data.nbytes * 2 == leaf.nbytes  # half an entry's heads per rank
+    _run(warm, [base], _params(1))  # publishes G and 2G
+    for i, prompt in enumerate(prompts):
+        params = _params(2)[i : i + 1]
+        cold_drafts, hit_drafts = [], []
+        want, _ = _run(_engine(one, 3, cache_bytes=0), [prompt], params, cold_drafts)
+        got, cached = _run(warm, [prompt], params, hit_drafts)
+        assert cached[0] == [2 * G, G][i] and got == want and hit_drafts == cold_drafts, (i, cached)
+    dp = jaxmtp.load(path, dtype="float32", backend="xla", progress=False, data_parallel_size=2)
+    with pytest.raises(EngineConfigError, match="data parallelism is not supported"):
+        _engine(dp, 3)

@@ -243,14 +243,25 @@ class Engine:
             self.state = jax.jit(lambda: init(cfg=layout.state_config()), out_shardings=state_out)()
         if self.prefix_cache is not None:
             g, idx = self.prefix_cache.granularity, self.prefix_cache
-            self._pool = _prefix.init_pool(self.state, g, idx.num_blocks, idx.num_snapshots)
+            make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
+                                          num_snapshots=idx.num_snapshots)
+            placed = {}  # under tensor parallelism the pools split over the ranks as the carries they copy
+            if layout is None:
+                self._pool = make_pool(self.state)
+            else:
+                specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
+                pool_out = jax.tree.map(layout.sharding, specs)
+                self._pool = jax.jit(lambda: make_pool(self.state), out_shardings=pool_out)()
+                placed = {"pool": pool_out, "state": state_out}
 
             def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
-                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1))
+                out = {"out_shardings": (placed["pool"], placed["state"])} if placed else {}
+                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **out)
 
             self._save_block = passing_state(_prefix.save_block)
             self._save_snapshot = passing_state(_prefix.save_snapshot)
-            self._restore = jax.jit(_prefix.restore, donate_argnums=0)
+            self._restore = jax.jit(_prefix.restore, donate_argnums=0,
+                                    **({"out_shardings": placed["state"]} if placed else {}))
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -470,15 +481,17 @@ class Engine:
         the plan leaves within the 90% headroom of ``available`` bytes, at most what every slot's whole context
         takes (a block and a snapshot per G tokens), nothing (the cache off) under tensor or data parallelism."""
         auto = memory == "auto"
-        if layout is not None:
+        if layout is not None and layout.dp > 1:
             if auto:
                 return
-            raise EngineConfigError("prefix caching with tensor or data parallelism is not supported yet")
+            raise EngineConfigError("prefix caching with data parallelism is not supported yet (tensor parallelism "
+                                    "is); use data_parallel_size=1 or turn the prefix cache off")
         if granularity < self.prefill_chunk or granularity & (granularity - 1):
             raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= prefill_chunk "
                                     f"({self.prefill_chunk}), got {granularity}: snapshots are taken at chunk ends")
         capacity = self.max_context + self.k
-        shapes = jax.eval_shape(lambda: steps.init_state(self.cfg, 1, capacity, self.k, self.model.dtype))
+        # one device's entry: a rank's heads under tensor parallelism (the pools split over the ranks as the carries)
+        shapes = jax.eval_shape(lambda: steps.init_state(self.model.run_config, 1, capacity, self.k, self.model.dtype))
         block, snap = _prefix.pool_bytes_per_entry(shapes, granularity)
         if auto:
             most = self.num_slots * (capacity // granularity)  # a block and a snapshot per G tokens of every slot

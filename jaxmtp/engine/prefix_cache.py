@@ -29,6 +29,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxmtp.layers.attention import KVCache
 from jaxmtp.layers.gated_deltanet import GDNCarry
@@ -233,6 +234,14 @@ def init_pool(state, granularity: int, num_blocks: int, num_snapshots: int) -> d
     gdn = [(jnp.zeros((num_snapshots,) + c.conv.shape[1:], c.conv.dtype),
             jnp.zeros((num_snapshots,) + c.state.shape[1:], c.state.dtype)) for c in _gdn_layers(state)]
     return {"kv": kv, "gdn": gdn}
+
+
+def pool_specs(pool: dict, tp_axis: str) -> dict:
+    """PartitionSpecs of :func:`init_pool`'s pools under tensor parallelism: split over ``tp_axis`` as the carries
+    they copy (:func:`jaxmtp.parallel.carry_spec`: KV heads and GDN value heads on axis 1, conv channels on axis 2),
+    so a copy between a slot and an entry stays on each rank."""
+    return {"kv": [(P(None, tp_axis), P(None, tp_axis)) for _ in pool["kv"]],
+            "gdn": [(P(None, None, tp_axis), P(None, tp_axis)) for _ in pool["gdn"]]}
 
 
 def pool_bytes_per_entry(state, granularity: int) -> tuple[int, int]:
