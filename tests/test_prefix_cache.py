@@ -260,28 +260,39 @@ def test_tail_snapshots_are_found_longest_first_and_evicted_with_their_block():
     assert idx.lookup(np.r_[seq[:10], 99, 98]) is None and idx.lookup(seq[:14]).tokens == 11
 
 
-def test_under_tensor_parallelism_the_pools_split_over_the_ranks_and_hits_stay_exact(checkpoint_factory, rng):
-    """TP 2 (the CPU's devices): the pools are split over the ranks as the carries (each device holds half of every
-    entry, as the plan counts), and requests resumed from them give one device's tokens and accepted drafts on a
-    cold cache; data parallelism is refused with the cache on."""
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_on_a_mesh_the_pools_split_like_the_carries_and_hits_stay_exact(checkpoint_factory, rng, tp, dp):
+    """TP and DP on the CPU's devices: the pools split over the ranks as the carries (each device holds 1/tp of every
+    entry, as the plan counts) and whole on every replica; requests resumed from them, on either replica, give one
+    device's tokens and accepted drafts on a cold cache."""
     path = checkpoint_factory("dense")[0]
     one = jaxmtp.load(path, dtype="float32", backend="xla", progress=False)
-    tp2 = jaxmtp.load(path, dtype="float32", backend="xla", progress=False, tensor_parallel_size=2)
+    mesh = jaxmtp.load(path, dtype="float32", backend="xla", progress=False, tensor_parallel_size=tp,
+                       data_parallel_size=dp)
     vocab = one.config.vocab_size - 2
     base = rng.integers(0, vocab, 2 * G + 5).tolist()
-    prompts = [base + rng.integers(0, vocab, 6).tolist(), base[: G + 3] + rng.integers(0, vocab, 9).tolist()]
-    warm = _engine(tp2, 3)
-    pooled = sum(a.nbytes for a in jax.tree_util.tree_leaves(warm._pool))
-    assert warm.plan.prefix_cache * 2 == pooled, (warm.plan.prefix_cache, pooled)  # the plan counts one device's
+    prompts = [base + rng.integers(0, vocab, 6).tolist(), base[: G + 3] + rng.integers(0, vocab, 9).tolist(), base]
+    warm = _engine(mesh, 3)
     for leaf in jax.tree_util.tree_leaves(warm._pool):
-        assert leaf.addressable_shards[0].data.nbytes * 2 == leaf.nbytes  # half an entry's heads per rank
+        assert leaf.addressable_shards[0].data.nbytes * tp == leaf.nbytes  # a rank's heads of each entry
+    assert warm.plan.prefix_cache * tp == sum(a.nbytes for a in jax.tree_util.tree_leaves(warm._pool))
     _run(warm, [base], _params(1))  # publishes G and 2G
     for i, prompt in enumerate(prompts):
-        params = _params(2)[i : i + 1]
+        params = _params(3)[i : i + 1]
         cold_drafts, hit_drafts = [], []
         want, _ = _run(_engine(one, 3, cache_bytes=0), [prompt], params, cold_drafts)
         got, cached = _run(warm, [prompt], params, hit_drafts)
-        assert cached[0] == [2 * G, G][i] and got == want and hit_drafts == cold_drafts, (i, cached)
-    dp = jaxmtp.load(path, dtype="float32", backend="xla", progress=False, data_parallel_size=2)
-    with pytest.raises(EngineConfigError, match="data parallelism is not supported"):
-        _engine(dp, 3)
+        assert cached[0] == [2 * G, G, 2 * G][i] and got == want and hit_drafts == cold_drafts, (i, cached)
+    # published from slot 0 (replica 0), resumed in slot 1 (under DP the other replica), which never held the prefix
+    fresh = _engine(mesh, 3)
+    _run(fresh, [base], _params(1))
+    for leaf in jax.tree_util.tree_leaves(fresh._pool):  # every replica holds the same entries
+        by_rank = {}
+        for shard in leaf.addressable_shards:
+            by_rank.setdefault(tuple((i.start, i.stop) for i in shard.index), []).append(np.asarray(shard.data))
+        for copies in by_rank.values():
+            assert all(np.array_equal(copies[0], c) for c in copies[1:])
+    pair = [rng.integers(0, vocab, 2 * G).tolist(), prompts[0]]
+    want, _ = _run(_engine(one, 3, cache_bytes=0), pair, _params(2))
+    got, cached = _run(fresh, pair, _params(2))
+    assert got == want and cached == [0, 2 * G], cached

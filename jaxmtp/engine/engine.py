@@ -226,7 +226,7 @@ class Engine:
         self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
         self.prefix_cache = self._pool = None
         if prefix_cache_memory:
-            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or max(256, prefill_chunk), layout,
+            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or max(256, prefill_chunk),
                                     device_memory_bytes() if check_memory else None)
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
@@ -245,23 +245,32 @@ class Engine:
             g, idx = self.prefix_cache.granularity, self.prefix_cache
             make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
                                           num_snapshots=idx.num_snapshots)
-            placed = {}  # under tensor parallelism the pools split over the ranks as the carries they copy
+            save_block, save_snapshot, restore = _prefix.save_block, _prefix.save_snapshot, _prefix.restore
+            placed = {}  # on a mesh: the pools split over the ranks as the carries they copy, whole on each replica
             if layout is None:
                 self._pool = make_pool(self.state)
             else:
-                specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
-                pool_out = jax.tree.map(layout.sharding, specs)
+                pool_specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
+                pool_out = jax.tree.map(layout.sharding, pool_specs)
                 self._pool = jax.jit(lambda: make_pool(self.state), out_shardings=pool_out)()
-                placed = {"pool": pool_out, "state": state_out}
+                placed = {"out_shardings": (pool_out, state_out)}
+                if dp > 1:  # each replica copies its own slots; a saved entry reaches every replica's pool
+                    def on_replicas(fn, n_args, returns_pool=True):
+                        body = functools.partial(fn, dp_axis=DP)
+                        io = (pool_specs, specs) if returns_pool else (specs, pool_specs)
+                        return jax.shard_map(body, mesh=layout.mesh, in_specs=io + (P(),) * n_args,
+                                             out_specs=pool_specs if returns_pool else specs, check_vma=False)
+
+                    save_block, save_snapshot = on_replicas(save_block, 3), on_replicas(save_snapshot, 2)
+                    restore = on_replicas(restore, 4, returns_pool=False)
 
             def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
-                out = {"out_shardings": (placed["pool"], placed["state"])} if placed else {}
-                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **out)
+                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **placed)
 
-            self._save_block = passing_state(_prefix.save_block)
-            self._save_snapshot = passing_state(_prefix.save_snapshot)
-            self._restore = jax.jit(_prefix.restore, donate_argnums=0,
-                                    **({"out_shardings": placed["state"]} if placed else {}))
+            self._save_block = passing_state(save_block)
+            self._save_snapshot = passing_state(save_snapshot)
+            self._restore = jax.jit(restore, donate_argnums=0,
+                                    **({"out_shardings": state_out} if placed else {}))
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -475,17 +484,13 @@ class Engine:
             self.state = self._mark_prompt(self.state, jnp.int32(r.slot), jnp.asarray(ids))
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
-    def _plan_prefix_cache(self, memory, granularity: int, layout, available: int | None) -> None:
+    def _plan_prefix_cache(self, memory, granularity: int, available: int | None) -> None:
         """Size the prefix cache's pools to ``memory`` bytes, half for KV blocks and half for GDN snapshots, and add
         them to the memory plan; refuse settings it cannot honour (EngineConfigError). ``"auto"``: half the memory
         the plan leaves within the 90% headroom of ``available`` bytes, at most what every slot's whole context
-        takes (a block and a snapshot per G tokens), nothing (the cache off) under tensor or data parallelism."""
+        takes (a block and a snapshot per G tokens). On a mesh the bytes are one device's: a rank's share of each
+        entry, every entry on each data-parallel replica."""
         auto = memory == "auto"
-        if layout is not None and layout.dp > 1:
-            if auto:
-                return
-            raise EngineConfigError("prefix caching with data parallelism is not supported yet (tensor parallelism "
-                                    "is); use data_parallel_size=1 or turn the prefix cache off")
         if granularity < self.prefill_chunk or granularity & (granularity - 1):
             raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= prefill_chunk "
                                     f"({self.prefill_chunk}), got {granularity}: snapshots are taken at chunk ends")

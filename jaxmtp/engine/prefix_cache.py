@@ -257,27 +257,55 @@ def _rows(cache, slot, start, g):
     return jax.lax.dynamic_slice(cache, (slot, 0, start, 0), (1, cache.shape[1], g, cache.shape[3]))[0]
 
 
-def save_block(pool: dict, state, slot, start, block):
+def _owner(state, slot, dp_axis):
+    """``slot`` as this replica sees it: (its local index, or the local slot count when another replica holds it;
+    whether this replica holds it). One device (``dp_axis`` None): the slot itself, held."""
+    if dp_axis is None:
+        return slot, True
+    n = state.length.shape[0]  # this replica's slots: [d n, (d + 1) n)
+    lo = jax.lax.axis_index(dp_axis) * n
+    mine = (slot >= lo) & (slot < lo + n)
+    return jnp.where(mine, slot - lo, n), mine
+
+
+def _from_owner(x, mine, dp_axis):
+    """``x`` as the replica holding the slot read it, on every replica (the others add zeros: exact)."""
+    return x if dp_axis is None else jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), dp_axis)
+
+
+def save_block(pool: dict, state, slot, start, block, dp_axis=None):
     """Copy KV rows ``[start, start + G)`` of ``slot`` (every attention layer) into pool block ``block`` (an id past
-    the pool writes nothing: the warm-up's call)."""
+    the pool writes nothing: the warm-up's call). ``dp_axis``: inside a data-parallel ``shard_map``, every replica's
+    pool receives the entry from the replica holding the slot."""
+    slot, mine = _owner(state, slot, dp_axis)
     kv = []
     for (pk, pv), c in zip(pool["kv"], _kv_layers(state)):
-        kv.append(tuple(p.at[block].set(_rows(a, slot, start, p.shape[2]), mode="drop")
+        kv.append(tuple(p.at[block].set(_from_owner(_rows(a, slot, start, p.shape[2]), mine, dp_axis), mode="drop")
                         for p, a in ((pk, c.k), (pv, c.v))))
     return {"kv": kv, "gdn": pool["gdn"]}
 
 
-def save_snapshot(pool: dict, state, slot, snap):
-    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap`` (an id past the pool writes nothing)."""
-    gdn = [(pc.at[snap].set(c.conv[slot], mode="drop"), ps.at[snap].set(c.state[slot], mode="drop"))
+def save_snapshot(pool: dict, state, slot, snap, dp_axis=None):
+    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap`` (an id past the pool writes nothing);
+    ``dp_axis`` as :func:`save_block`."""
+    slot, mine = _owner(state, slot, dp_axis)
+
+    def read(a):
+        return _from_owner(jax.lax.dynamic_index_in_dim(a, jnp.minimum(slot, a.shape[0] - 1), keepdims=False),
+                           mine, dp_axis)
+
+    gdn = [(pc.at[snap].set(read(c.conv), mode="drop"), ps.at[snap].set(read(c.state), mode="drop"))
            for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state))]
     return {"kv": pool["kv"], "gdn": gdn}
 
 
-def restore(state, pool: dict, slot, blocks, n_blocks, snap):
+def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None):
     """``state`` with ``slot``'s KV rows ``[i G, (i + 1) G)`` set from pool block ``blocks[i]`` for i < ``n_blocks``
     (``blocks [max_blocks]`` int32, fixed length: one compiled copy for every hit length) and its GDN carries from
-    snapshot ``snap`` (a slot id past the slots and no blocks change nothing: the warm-up's call)."""
+    snapshot ``snap`` (a slot id past the slots and no blocks change nothing: the warm-up's call). ``dp_axis``:
+    inside a data-parallel ``shard_map``, only the replica holding the slot writes."""
+    slot, mine = _owner(state, slot, dp_axis)
+    n_blocks = jnp.where(mine, n_blocks, 0)
     kv = [(c.k, c.v) for c in _kv_layers(state)]
     if kv:
         def body(i, caches):
