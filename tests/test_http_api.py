@@ -14,6 +14,7 @@ import random
 import socket
 import urllib.parse
 
+import numpy as np
 import pytest
 from polling import idle, wait_until
 from test_chat_template import QWEN_LIKE
@@ -491,6 +492,111 @@ def test_logprobs_equal_generate(oai, model):
             assert e.top_logprobs[0].token == e.token
     no = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=False)
     assert no.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_format():
+    """vLLM's prompt_logprobs: None for the first prompt token, then {id: {logprob, rank, decoded_token}} with the
+    prompt token first; its rank where it is among the top N, else null; -inf sent as -9999."""
+    from jaxmtp.engine import TokenLogprob
+    from jaxmtp.serving.http_api import prompt_logprobs
+
+    texts = {1: "a", 2: "é", 3: "a", 4: "<|eos|>"}.__getitem__
+    entries = [None, TokenLogprob(2, -0.3, [(1, -0.1), (2, -0.3)]), TokenLogprob(4, float("-inf"), [(3, -0.2)]),
+               TokenLogprob(1, -0.5, [])]
+    assert json.loads(json.dumps(prompt_logprobs(entries, texts))) == [
+        None,
+        {"2": {"logprob": -0.3, "rank": 2, "decoded_token": "é"},
+         "1": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}},
+        {"4": {"logprob": -9999.0, "rank": None, "decoded_token": "<|eos|>"},
+         "3": {"logprob": -0.2, "rank": 1, "decoded_token": "a"}},
+        {"1": {"logprob": -0.5, "rank": None, "decoded_token": "a"}}]
+    assert list(prompt_logprobs(entries, texts)[1]) == ["2", "1"]  # the prompt token first, as vLLM orders them
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def check_prompt_logprobs(got, ids, ref, n, text):
+    """``got`` (vLLM's prompt_logprobs) against ``ref`` (a full forward's log_softmax, row p predicting token p + 1).
+    Returns how many prompt tokens were outside the top ``n``."""
+    # The server runs the float32 model (the ``model`` fixture) in chunked prefill, the reference one full forward of
+    # the same float32 weights: they differ by summation order only (the engine tests hold 1e-5); 1e-4 leaves margin.
+    tol = 1e-4
+    assert len(got) == len(ids) and got[0] is None
+    outside = 0
+    for p in range(1, len(ids)):
+        entry, row, tok = got[p], ref[p - 1], ids[p]
+        assert next(iter(entry)) == str(tok)  # the prompt token, first
+        mine = entry[str(tok)]
+        assert mine["logprob"] == pytest.approx(row[tok], abs=tol) and mine["decoded_token"] == text(tok)
+        ranked = sorted((v["rank"], int(k), v["logprob"], v["decoded_token"]) for k, v in entry.items()
+                        if v["rank"] is not None)
+        assert [r for r, *_ in ranked] == list(range(1, n + 1))  # the top n, ranks 1..n
+        values = [v for _, _, v, _ in ranked]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx(np.sort(row)[::-1][:n], abs=tol)
+        for _, t, v, decoded in ranked:
+            assert v == pytest.approx(row[t], abs=tol) and decoded == text(t)  # the right ids
+        # its rank in the reference (a range: tokens within the tolerance of it may fall on either side)
+        lo, hi = 1 + int((row > row[tok] + tol).sum()), 1 + int((row > row[tok] - tol).sum())
+        if mine["rank"] is None:  # outside the top n: the engine gives no rank beyond n
+            assert hi > n and len(entry) == n + 1
+            outside += 1
+        else:
+            assert lo <= mine["rank"] <= hi and len(entry) == n
+    return outside
+
+
+def test_prompt_logprobs_equal_a_full_forward(oai, model):
+    """vLLM's prompt_logprobs over HTTP against a full forward of the model: a completion's on every choice (n = 2
+    too) and in a stream's first chunk, a chat's at the top level."""
+    from jaxmtp.generation import encode_prompt
+
+    text = lambda t: model.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Reverse a list."}]
+    ids, chat_ids = encode_prompt(model, prompt), encode_prompt(model, messages)
+    # One forward for both prompts: the shorter padded at its end (causal: its positions see only what precedes them).
+    width = max(len(ids), len(chat_ids))
+    ref = log_softmax(model.logits(np.asarray([p + [0] * (width - len(p)) for p in (ids, chat_ids)])))
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3})
+
+    got = oai.completions.create(**kw)
+    lps = got.choices[0].prompt_logprobs
+    outside = check_prompt_logprobs(lps, ids, ref[0], 3, text)
+    assert 0 < outside < len(ids) - 1  # the prompt token both among the top 3 and outside them
+    assert got.usage.prompt_tokens == len(ids)
+    two = oai.completions.create(n=2, **kw)  # computed once, on every choice (as vLLM)
+    assert [c.prompt_logprobs for c in two.choices] == [lps, lps]
+    chunks = list(oai.completions.create(stream=True, **kw))
+    with_lps = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks]
+    assert with_lps[0] == lps and not any(with_lps[1:])  # in the first chunk only
+    assert oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0].prompt_logprobs is None
+
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    assert chat.usage.prompt_tokens == len(chat_ids) and "prompt_logprobs" not in chat.choices[0].model_extra
+    assert check_prompt_logprobs(chat.prompt_logprobs, chat_ids, ref[1], 2, text) > 0
+
+
+@pytest.mark.parametrize("value, needle", [(21, "must be in [0, 20], got 21"), (-1, "must be in [0, 20], got -1"),
+                                           ("x", 'must be an integer, got "x"'), (True, "must be an integer, got true"),
+                                           (2.5, "must be an integer, got 2.5")])
+def test_bad_prompt_logprobs_are_400(oai, value, needle):
+    for create, kw in ((oai.completions.create, dict(prompt="x")),
+                       (oai.chat.completions.create, dict(messages=CHAT))):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=2, extra_body={"prompt_logprobs": value}, **kw)
+        assert f"'prompt_logprobs' {needle}" in e.value.message and e.value.body["param"] == "prompt_logprobs"
+
+
+def test_chat_stream_refuses_prompt_logprobs(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+                                    extra_body={"prompt_logprobs": 0})
+    assert "not available" in e.value.message and e.value.body["param"] == "prompt_logprobs"
 
 
 def _streamed_choices(events, chat):

@@ -13,7 +13,7 @@ unsupported request), 401 (API key), 404 (unknown model or path), 413 (body too 
 400 naming it, never silently ignored; fields at their neutral value (``echo: false``, ``best_of`` equal to ``n``,
 ...) are accepted. ``n`` samples come back as ``n`` choices (streamed: chunks whose ``choices[0].index`` names the
 sample, each sample ending with its own finish_reason chunk); the usage counts the prompt once and every sample's
-tokens.
+tokens. vLLM's ``prompt_logprobs`` N returns the prompt's log-probabilities in vLLM's form (:func:`prompt_logprobs`).
 
     api = HttpApi(grpc_server, port=8000)    # on the server's event loop:
     port = await api.start()
@@ -67,7 +67,8 @@ HTTP_STATUS_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UN
 
 PENALTIES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")  # numbers, unset: off
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "stream", "stream_options", "user", *PENALTIES, "logit_bias", "min_tokens", "n"}
+                 "ignore_eos", "stream", "stream_options", "user", *PENALTIES, "logit_bias", "min_tokens", "n",
+                 "prompt_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "add_generation_prompt", "logprobs", "top_logprobs"}
@@ -225,6 +226,25 @@ def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def prompt_logprobs(entries, token_text) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of the engine's (``RequestOutput.prompt_logprobs``: one
+    :class:`jaxmtp.engine.TokenLogprob` per prompt token, None for the first): per prompt token None (the first) or
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token first, then the N most likely
+    ones. ``rank`` is the 1-based rank in the distribution: a top entry's position, the prompt token's where it is
+    among the top N, else null (the engine gives no rank beyond the N)."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        rank = next((i + 1 for i, (t, _) in enumerate(e.top) if t == e.token_id), None)
+        d = {str(e.token_id): {"logprob": _logprob(e.logprob), "rank": rank, "decoded_token": token_text(e.token_id)}}
+        for i, (t, v) in enumerate(e.top):
+            d.setdefault(str(t), {"logprob": _logprob(v), "rank": i + 1, "decoded_token": token_text(t)})
+        out.append(d)
+    return out
 
 
 def _text_content(content: Any, i: int) -> str | None:
@@ -702,6 +722,8 @@ class _Job:
         self.submitted = self.finished = False  # finished: every sample ended, or the request failed
         self.failure: ApiError | None = None
         self.choices: list[_Choice] = []  # one per sample (set by parse)
+        self.prompt_lps: list | None = None  # the engine's prompt logprobs (with prompt_logprobs; sample 0's output)
+        self.prompt_lps_sent = False  # streamed: in a chunk already
 
     async def parse(self, req, max_tokens: int | None) -> None:
         """Sampling fields -> ``req.sampling``; then the gRPC server's own validation."""
@@ -758,6 +780,15 @@ class _Job:
         n = _logprobs(body, self.chat)
         if n is not None:
             s.logprobs = n
+        if body.get("prompt_logprobs") == -1:  # vLLM's "the whole vocabulary"
+            raise ApiError(400, f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got -1 (this server returns at "
+                                f"most {MAX_LOGPROBS} alternatives, not the whole vocabulary)", "prompt_logprobs")
+        n = _get_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+        if n is not None:
+            if self.chat and self.stream:
+                raise ApiError(400, "'prompt_logprobs' is not available with \"stream\": true on chat completions "
+                                    "(it is on /v1/completions, in the first chunk)", "prompt_logprobs")
+            s.prompt_logprobs = n
 
     # ---- the deltas -----------------------------------------------------------------------------------------------
     async def deltas(self):
@@ -790,6 +821,8 @@ class _Job:
                     self.finished = True
                     self.failure = ApiError(500, f"the engine failed: {d.error!r}")
                     return
+                if d.output.prompt_logprobs is not None:  # sample 0's, with its first token
+                    self.prompt_lps = d.output.prompt_logprobs
             for i, (new_ids, text, logprobs, final) in merge_by_sample(batch).items():
                 c, text, failure = self.choices[i], "".join(text), None
                 c.n_out += len(new_ids)
@@ -842,12 +875,17 @@ class _Job:
         entries, c.unsent_logprobs = c.unsent_logprobs, []
         return self._format_logprobs(c, entries) if entries else None
 
-    def _choice(self, c: "_Choice") -> dict:
-        """A choice of the non-streamed response."""
+    def _prompt_logprobs(self) -> list | None:
+        """vLLM's ``prompt_logprobs`` (None when the request did not ask for them)."""
+        return None if self.prompt_lps is None else prompt_logprobs(self.prompt_lps, self.api.token_text)
+
+    def _choice(self, c: "_Choice", prompt_lps: list | None = None) -> dict:
+        """A choice of the non-streamed response (a completion's carries ``prompt_lps``, as vLLM's)."""
         text = "".join(c.text)
         logprobs = self._format_logprobs(c, c.logprobs)
         if not self.chat:
-            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "prompt_logprobs": prompt_lps}
         parts = c.parser.feed(text) + c.parser.finish()
         content = "".join(p.text for p in parts if p.kind == "content")
         reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
@@ -863,22 +901,29 @@ class _Job:
                 "finish_reason": self._chat_finish_reason(c)}
 
     def response(self) -> dict:
-        """The non-streamed response body."""
-        return {"id": self.rid, "created": self.created, "model": self.model,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
+        """The non-streamed response body. Prompt logprobs as vLLM places them: on every choice of a completion, at
+        the top level of a chat completion."""
+        prompt_lps = self._prompt_logprobs()
+        if self.chat:
+            return {"id": self.rid, "created": self.created, "model": self.model, "object": "chat.completion",
+                    "choices": [self._choice(c) for c in self.choices], "usage": self._usage(),
+                    "prompt_logprobs": prompt_lps}
+        return {"id": self.rid, "created": self.created, "model": self.model, "object": "text_completion",
+                "choices": [self._choice(c, prompt_lps) for c in self.choices], "usage": self._usage()}
 
     async def stream_chunks(self):
         """The server-sent events of a streamed response: each chunk holds one choice, whose ``index`` names the
         sample; each sample ends with a chunk carrying its finish_reason. A chunk's ``logprobs`` are those of its
         sample's tokens that arrived since that sample's previous chunk that carried some (text held back, by a
         stop string or the chat output parser, leaves its tokens' logprobs for a later chunk; the last one carries
-        the rest)."""
+        the rest). A completion's ``prompt_logprobs`` come in the choice of sample 0's first chunk."""
         head = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
 
         def chunk(c: _Choice, part: dict, finish_reason: str | None = None) -> bytes:
             choice = {"index": c.index, **part, "logprobs": self._take_logprobs(c), "finish_reason": finish_reason}
+            if c.index == 0 and self.prompt_lps is not None and not self.prompt_lps_sent:  # (chat: refused)
+                choice["prompt_logprobs"], self.prompt_lps_sent = self._prompt_logprobs(), True
             if self.continuous_usage:
                 return _sse({**head, "choices": [choice], "usage": self._usage()})
             return _sse({**head, "choices": [choice], **({"usage": None} if self.include_usage else {})})
