@@ -597,9 +597,15 @@ def test_queue_bound_message_size_duplicates_and_server_deadline(make_server, mo
         with Client(srv.address, timeout=60) as c:
             stub = pb.GenerationStub(c.channel)
             calls = [stub.Generate(build_request([3, 4, 5 + i], max_tokens=LONG, ignore_eos=True,
-                                                 request_id=f"r{i}"), timeout=60) for i in range(5)]
+                                                 request_id=f"r{i}"), timeout=60) for i in range(4)]
             for i, call in enumerate(calls):  # initial metadata: accepted (capacity 4 slots + 1 queued)
                 assert dict(call.initial_metadata())["x-request-id"] == f"r{i}"
+            with pytest.raises(GenerationError) as e:  # two samples need two places; one is left
+                c.generate([1, 2], max_tokens=2, n=2)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "4 samples in flight" in e.value.message
+            calls.append(stub.Generate(build_request([3, 4, 9], max_tokens=LONG, ignore_eos=True, request_id="r4"),
+                                       timeout=60))
+            assert dict(calls[-1].initial_metadata())["x-request-id"] == "r4"
             with pytest.raises(GenerationError) as e:
                 c.generate([1, 2], max_tokens=2)
             assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at capacity" in e.value.message
@@ -628,7 +634,8 @@ def test_queue_bound_message_size_duplicates_and_server_deadline(make_server, mo
             wait_until(lambda: c.stats()["requests_active"] == 0, what="the aborts")
             stats = c.stats()
             assert stats["requests_finished"] == {"deadline": 5}
-            assert stats["requests_rejected"] == {"RESOURCE_EXHAUSTED": 1, "ALREADY_EXISTS": 1}
+            # at capacity twice (the n = 2 request, then the full queue); the large message never reached the server
+            assert stats["requests_rejected"] == {"RESOURCE_EXHAUSTED": 2, "ALREADY_EXISTS": 1}
             assert c.generate([1, 2], max_tokens=4).token_ids == reference(model, [1, 2],
                                                                           max_new_tokens=4).token_ids
     finally:

@@ -2,7 +2,8 @@
 per-request sinks without ever waiting on a client.
 
 * ``submit`` (any thread) validates and queues a request in the engine (``Engine.add_request``) and wakes the
-  engine thread; past ``num_slots + max_queue`` requests in flight it raises :class:`QueueFullError`.
+  engine thread; past ``num_slots + max_queue`` samples in flight (a request with ``n`` samples counts ``n``) it
+  raises :class:`QueueFullError`.
 * The engine thread calls ``Engine.step()`` while the engine has work and sleeps on an event otherwise. Each step
   admits queued requests into free slots (prefilled between decode steps), runs the speculative steps and returns
   per-request deltas, which go to each request's sink (for the asyncio server: ``loop.call_soon_threadsafe`` into
@@ -136,7 +137,7 @@ class Scheduler:
 
     Args:
         engine: the engine (warmed up before :meth:`start`; only this scheduler's thread calls ``step``).
-        max_queue: requests allowed to wait for a slot; ``num_slots + max_queue`` requests may be in flight.
+        max_queue: samples allowed to wait for a slot; ``num_slots + max_queue`` samples may be in flight.
         on_failure: called (from the engine thread) with the exception if ``Engine.step`` raises; the scheduler
             then fails every in-flight request and refuses new ones.
     """
@@ -188,9 +189,10 @@ class Scheduler:
                                            + (f" (it failed: {self.failure!r})" if self.failure else ""))
             if rid in self._entries:
                 raise DuplicateRequestError(f"request id {rid!r} is already in flight")
-            if len(self._entries) >= self.capacity:
+            in_flight = sum(e.n for e in self._entries.values())  # samples: each takes a slot of its own
+            if in_flight + params.n > self.capacity:
                 raise QueueFullError(
-                    f"the server is at capacity: {len(self._entries)} requests in flight "
+                    f"the server is at capacity: {in_flight} samples in flight, this request adds {params.n} "
                     f"({self.engine.num_slots} slots + a queue of {self.max_queue}); retry later")
             self.engine.add_request(prompt_ids, params, request_id=rid,  # ValueError: nothing queued
                                     stop_matcher=stop_matcher)
