@@ -301,7 +301,8 @@ def test_missing_http_dependency_is_a_one_line_error_before_loading(monkeypatch,
     a port (where it once crashed after 'listening', and a client waited out its deadline)."""
     from jaxmtp import serve
 
-    monkeypatch.setitem(sys.modules, "starlette", None)  # ``import starlette`` now raises ImportError
+    for name in [m for m in sys.modules if m.split(".")[0] == "starlette"] + ["starlette"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing starlette or a submodule now raises ImportError
     monkeypatch.delitem(sys.modules, "jaxmtp.serving.http_api", raising=False)
     monkeypatch.setattr(serve, "load_model", lambda args: pytest.fail("loaded the model before the check"))
     # this process's JAX settings stay as the other tests set them
