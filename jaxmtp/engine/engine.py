@@ -242,35 +242,7 @@ class Engine:
             state_out = jax.tree.map(layout.sharding, specs)
             self.state = jax.jit(lambda: init(cfg=layout.state_config()), out_shardings=state_out)()
         if self.prefix_cache is not None:
-            g, idx = self.prefix_cache.granularity, self.prefix_cache
-            make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
-                                          num_snapshots=idx.num_snapshots)
-            save_block, save_snapshot, restore = _prefix.save_block, _prefix.save_snapshot, _prefix.restore
-            placed = {}  # on a mesh: the pools split over the ranks as the carries they copy, whole on each replica
-            if layout is None:
-                self._pool = make_pool(self.state)
-            else:
-                pool_specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
-                pool_out = jax.tree.map(layout.sharding, pool_specs)
-                self._pool = jax.jit(lambda: make_pool(self.state), out_shardings=pool_out)()
-                placed = {"out_shardings": (pool_out, state_out)}
-                if dp > 1:  # each replica copies its own slots; a saved entry reaches every replica's pool
-                    def on_replicas(fn, n_args, returns_pool=True):
-                        body = functools.partial(fn, dp_axis=DP)
-                        io = (pool_specs, specs) if returns_pool else (specs, pool_specs)
-                        return jax.shard_map(body, mesh=layout.mesh, in_specs=io + (P(),) * n_args,
-                                             out_specs=pool_specs if returns_pool else specs, check_vma=False)
-
-                    save_block, save_snapshot = on_replicas(save_block, 3), on_replicas(save_snapshot, 2)
-                    restore = on_replicas(restore, 4, returns_pool=False)
-
-            def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
-                return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **placed)
-
-            self._save_block = passing_state(save_block)
-            self._save_snapshot = passing_state(save_snapshot)
-            self._restore = jax.jit(restore, donate_argnums=0,
-                                    **({"out_shardings": state_out} if placed else {}))
+            self._make_prefix_pools(layout, None if layout is None else specs, state_out)
         self.eos_ids = model.eos_token_ids
         self.tokenizer = model.tokenizer
 
@@ -484,6 +456,39 @@ class Engine:
             self.state = self._mark_prompt(self.state, jnp.int32(r.slot), jnp.asarray(ids))
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
+    def _make_prefix_pools(self, layout, specs, state_out) -> None:
+        """The prefix cache's device pools and its three jitted copies. On a mesh (``specs`` / ``state_out``: the
+        state's partition specs and shardings) the pools split over the ranks as the carries they copy and are whole
+        on each replica; under data parallelism the copies run in a ``shard_map`` (each replica reads and writes its
+        own slots; a saved entry reaches every replica's pool)."""
+        g, idx = self.prefix_cache.granularity, self.prefix_cache
+        make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
+                                      num_snapshots=idx.num_snapshots)
+        save_block, save_snapshot, restore = _prefix.save_block, _prefix.save_snapshot, _prefix.restore
+        placed = {}
+        if layout is None:
+            self._pool = make_pool(self.state)
+        else:
+            pool_specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
+            pool_out = jax.tree.map(layout.sharding, pool_specs)
+            self._pool = jax.jit(lambda: make_pool(self.state), out_shardings=pool_out)()
+            placed = {"out_shardings": (pool_out, state_out)}
+            if layout.dp > 1:
+                def on_replicas(fn, n_args, returns_pool=True):
+                    io = (pool_specs, specs) if returns_pool else (specs, pool_specs)
+                    return jax.shard_map(functools.partial(fn, dp_axis=DP), mesh=layout.mesh,
+                                         in_specs=io + (P(),) * n_args, out_specs=io[0], check_vma=False)
+
+                save_block, save_snapshot = on_replicas(save_block, 3), on_replicas(save_snapshot, 2)
+                restore = on_replicas(restore, 4, returns_pool=False)
+
+        def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
+            return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **placed)
+
+        self._save_block = passing_state(save_block)
+        self._save_snapshot = passing_state(save_snapshot)
+        self._restore = jax.jit(restore, donate_argnums=0, **({"out_shardings": state_out} if placed else {}))
+
     def _plan_prefix_cache(self, memory, granularity: int, available: int | None) -> None:
         """Size the prefix cache's pools to ``memory`` bytes, half for KV blocks and half for GDN snapshots, and add
         them to the memory plan; refuse settings it cannot honour (EngineConfigError). ``"auto"``: half the memory
