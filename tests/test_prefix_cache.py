@@ -242,6 +242,31 @@ def test_a_conversation_resumes_where_the_last_turn_ended(models, kind, k, rng):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"turn {i}")
 
 
+@pytest.mark.parametrize("kind,k", [("dense", 3), pytest.param("next", 2, marks=pytest.mark.slow)])
+def test_a_decode_publishes_its_state_as_it_crosses_the_grid(models, kind, k, rng):
+    """A request still decoding publishes its committed state after each device loop in which it crossed a multiple
+    of G, so a turn that ended off the device (here an abort mid-decode; a stop string alike) resumes past its
+    prompt, with a cold cache's tokens and drafts."""
+    model = models[kind]
+    vocab = model.config.vocab_size - 2
+    warm = _engine(model, k)
+    prompt = rng.integers(0, vocab, 2 * G + 5).tolist()
+    rid = warm.add_request(prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    out = []
+    while len(out) < 24:
+        out += [t for o in warm.step() for t in o.token_ids]
+    assert warm.abort(rid)
+    while warm.has_work():
+        warm.step()
+    nxt = prompt + out + rng.integers(0, vocab, 5).tolist()
+    follow = [SamplingParams(max_new_tokens=8, temperature=0.9, seed=11, ignore_eos=True)]
+    cold_drafts, hit_drafts = [], []
+    want, _ = _run(_engine(model, k, cache_bytes=0), [nxt], follow, cold_drafts)
+    got, cached = _run(warm, [nxt], follow, hit_drafts)
+    assert 3 * G <= cached[0] < len(prompt) + len(out), cached  # a decode-time state past the prompt's 2G
+    assert got == want and hit_drafts == cold_drafts
+
+
 def test_tail_snapshots_are_found_longest_first_and_evicted_with_their_block():
     idx = PrefixIndex(4, num_blocks=4, num_snapshots=2)
     seq = np.arange(20, dtype=np.int32)

@@ -130,6 +130,7 @@ class _Request:
     group: list | None = None  # every sample of the request, index order (None: n = 1)
     waiting: bool = False  # a sample past the first, until the first's prefill is copied into its slot
     prompt_lps: list | None = None  # the prompt's log-probabilities so far (SamplingParams.prompt_logprobs)
+    published: int = 0  # the committed length up to which its decode published its state (the prefix cache)
 
 
 def _set_processing_row(rows: dict, i: int, p: SamplingParams) -> None:
@@ -563,11 +564,12 @@ class Engine:
                                                       jnp.int32(block))
         return True
 
-    def _publish_finished(self, r: _Request) -> None:
-        """With the prefix cache on, after ``r`` ended on the device (a stop id or its budget): its slot holds exactly its prompt and output
-        but the last token (steps commit what they emit), so hold that state for a later prompt that continues the
-        conversation: whole blocks as for prompts, the rows past the last boundary as a block of their own, and a
-        snapshot keyed by every id and the last token (:meth:`PrefixIndex.add_tail_snapshot`)."""
+    def _publish_state(self, r: _Request) -> None:
+        """With the prefix cache on, after a device loop (``r`` still decoding, or just ended on the device: a stop id
+        or its budget): its slot holds exactly its prompt and output but the last token (steps commit what they emit),
+        a final state, so hold it for a later prompt that continues the text: whole blocks as for prompts, the rows
+        past the last boundary as a block of their own, and a snapshot keyed by every id and the last token
+        (:meth:`PrefixIndex.add_tail_snapshot`)."""
         if self.prefix_cache is None:
             return
         idx, g = self.prefix_cache, self.prefix_cache.granularity
@@ -588,6 +590,19 @@ class Engine:
         snap, block = ids
         self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(m * g), jnp.int32(block))
         self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+
+    def _publish_decoding(self, width: int) -> None:
+        """After a device loop: each request still decoding whose committed length crossed a multiple of G since it
+        last published holds its state (:meth:`_publish_state`), so a later prompt that continues its text resumes
+        there even when the request ends off the device (a stop string, an abort) or is still running."""
+        g = self.prefix_cache.granularity
+        for r in self._slots[:width]:
+            if r is None or r.done or r.waiting:
+                continue
+            length = len(r.prompt) + len(r.generated) - 1  # committed: every emitted token but the last
+            if length // g > max(r.published, len(r.prompt) - 1) // g:
+                self._publish_state(r)
+                r.published = length
 
     def prefix_cache_stats(self) -> dict | None:
         """The prefix cache's counters (queried / hit prompt tokens, evictions, blocks and snapshots held) and its
@@ -758,7 +773,7 @@ class Engine:
                                                                               r.params.logprobs))
             if finished[i] and not r.done:
                 self._finish(outputs, r, _REASONS[int(reason[i])])
-                self._publish_finished(r)
+                self._publish_state(r)
             if r.done:
                 done_slots.append(r.slot)
         self._free(done_slots)
@@ -873,7 +888,9 @@ class Engine:
                            _token_logprobs(lps, (step, s), ids, r.params.logprobs))
                 if out["finished"][step, s] and not r.done:
                     self._finish(outputs, r, _REASONS[int(out["reason"][step, s])])
-                    self._publish_finished(r)
+                    self._publish_state(r)
+        if self.prefix_cache is not None:
+            self._publish_decoding(width)
         for s, r in enumerate(self._slots):
             if r is not None and r.done:
                 done_slots.append(s)

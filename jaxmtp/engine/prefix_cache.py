@@ -6,10 +6,11 @@ target's and the MTP layer's), each GDN layer's float32 state after token P-1 an
 row P-1 depends on token P as well (its input is ``(embed(x_P), h_{P-1})``), so a snapshot is keyed by the token
 ids 0..P-1 *and* token P: a prompt that shares tokens 0..P with an earlier one resumes at P exactly, with no row to
 recompute; one that departs exactly at token P resumes at the boundary before (the only case where a block is run
-again, against vLLM's recompute of a block on every hit under MTP). A snapshot is only taken at the end of a prompt
-chunk that is not the prompt's last (prefill splits at multiples of G: ``prefill_chunk`` divides G), so it is
-always a chunk's final state: never inside a verify window, never from a rejected draft, never from a request's
-partial work (an abort keeps what its completed chunks published, which is exact).
+again, against vLLM's recompute of a block on every hit under MTP). A snapshot is only taken of a final state: the end of a
+prompt chunk that is not the prompt's last (prefill splits at multiples of G: ``prefill_chunk`` divides G), or a
+slot after a device loop, whose steps commit exactly the tokens they emit (a tail snapshot, off the grid: a request
+that ended, or one still decoding that crossed a multiple of G). Never inside a verify window, never from a
+rejected draft, never from a request's partial work (an abort keeps what it published, which is exact).
 
 Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of the ids (SHA-256 of the previous
 block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
