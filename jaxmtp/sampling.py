@@ -118,21 +118,16 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: none), "
-                             f"got {self.logprobs!r}")
-
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (None: none), "
-                             f"got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (None: none), got {v!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     def sample(self, i: int) -> "SamplingParams":
-        """The settings of sample ``i`` of ``n``: seed + i, one sample (the prompt's log-probabilities with the first)."""
+        """The settings of sample ``i`` of ``n``: seed + i, one sample (the prompt's log-probabilities with the
+        first)."""
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**63,
                                    prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 

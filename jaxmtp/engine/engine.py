@@ -262,21 +262,21 @@ class Engine:
         self._deactivate = slot_jit(counted("deactivate", steps.deactivate))
         self._mark_prompt = slot_jit(counted("mark_prompt", steps.mark_prompt))
         self._set_oracle = slot_jit(steps.set_oracle_row)
-        prefill = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend)
         if layout is not None:  # the model's functions run inside the mesh's shard_map
             s_spec, rep, per_slot = state_specs(self.state), P(), P(None, DP)  # step outputs [N, slots, ...]
-            if dp > 1:
-                prefill = data_parallel_prefill(prefill)
-            prefill = layout.shard_map(prefill, (s_spec,) + (rep,) * 5, (s_spec, rep, rep, rep, rep))
-        self._prefill = jax.jit(counted("prefill", prefill), donate_argnums=1)
+
+        def prefill_fn(name, prompt_logprobs):  # outputs: state, then 4 (5 with prompt log-probabilities) arrays
+            fn = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
+                                   prompt_logprobs=prompt_logprobs)
+            if layout is not None:
+                if dp > 1:
+                    fn = data_parallel_prefill(fn)
+                fn = layout.shard_map(fn, (s_spec,) + (rep,) * 5, (s_spec,) + (rep,) * (5 if prompt_logprobs else 4))
+            return jax.jit(counted(name, fn), donate_argnums=1)
+
+        self._prefill = prefill_fn("prefill", False)
         # requests with prompt_logprobs: one row at a time, compiled at the first such request (not in the warm-up)
-        prefill_lp = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
-                                       prompt_logprobs=True)
-        if layout is not None:
-            if dp > 1:
-                prefill_lp = data_parallel_prefill(prefill_lp)
-            prefill_lp = layout.shard_map(prefill_lp, (s_spec,) + (rep,) * 5, (s_spec,) + (rep,) * 5)
-        self._prefill_lp = jax.jit(counted("prefill+prompt_logprobs", prefill_lp), donate_argnums=1)
+        self._prefill_lp = prefill_fn("prefill+prompt_logprobs", True)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
         self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]

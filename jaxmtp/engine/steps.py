@@ -225,10 +225,14 @@ def choose_processed(logits, field, window, index, generated, backend: Backend):
                        field("min_tokens"), generated, field("stop_ids"))
     t = sample_tokens(x, field("temperature"), field("top_k"), field("top_p"), field("seed_lo"), field("seed_hi"),
                       index, field("min_p"))
-    lp, top_ids, top_lp = token_logprobs(full, t)
+    return t, _pack_logprobs(*token_logprobs(full, t)).reshape(t.shape[0], -1)
+
+
+def _pack_logprobs(lp, top_ids, top_lp):
+    """:func:`jaxmtp.sampling.token_logprobs`' outputs [..., T], [..., T, N] as one int32 array [..., T,
+    LOGPROB_COLUMNS] (the floats' bits: :func:`unpack_logprobs`)."""
     f2i = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-    packed = jnp.concatenate([f2i(lp)[..., None], top_ids, f2i(top_lp)], axis=-1)  # [B, T, LOGPROB_COLUMNS]
-    return t, packed.reshape(t.shape[0], -1)
+    return jnp.concatenate([f2i(lp)[..., None], top_ids, f2i(top_lp)], axis=-1)
 
 
 def unpack_logprobs(packed):
@@ -275,9 +279,7 @@ def _prompt_logprobs(params, hidden, next_tokens, backend: Backend):
     def part(args):
         hid, nxt = args  # [Bp, r, H], [Bp, r]
         full = gather_vocab(lm_head(params, hid, backend), backend.parallel)
-        lp, top_ids, top_lp = token_logprobs(full, nxt)
-        f2i = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
-        return jnp.concatenate([f2i(lp)[..., None], top_ids, f2i(top_lp)], axis=-1)  # [Bp, r, COLUMNS]
+        return _pack_logprobs(*token_logprobs(full, nxt))  # [Bp, r, COLUMNS]
 
     parts = jax.lax.map(part, (hidden.reshape(b, c // r, r, h).swapaxes(0, 1),
                                next_tokens.reshape(b, c // r, r).swapaxes(0, 1)))  # [C / r, Bp, r, COLUMNS]
