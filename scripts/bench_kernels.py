@@ -22,6 +22,7 @@ in the same run (a device-to-device copy, a bf16 8192^3 matmul). Results go to J
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import json
@@ -42,7 +43,7 @@ from jaxmtp.benchmarking import device_seconds  # noqa: E402
 from jaxmtp.pallas.attention import attention_reference  # noqa: E402
 from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
-from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule.chunk_triton import ChunkTiles, chunk_gated_delta_rule_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule.recurrent_triton import (  # noqa: E402
     commit_gated_delta_rule_triton,
     commit_windows_triton,
@@ -50,6 +51,7 @@ from jaxmtp.pallas.gated_delta_rule.recurrent_triton import (  # noqa: E402
 )
 from jaxmtp.pallas.moe import gathered_experts, moe_reference, ragged_experts  # noqa: E402
 from jaxmtp.pallas.moe.grouped_triton import moe_experts_triton  # noqa: E402
+from jaxmtp.pallas.policy import DEFAULT_POLICY  # noqa: E402
 
 REPS, ITERS = 10, 5
 XLA_RECURRENT = {(1, 1), (64, 1), (8, 5), (64, 5)}  # (B, T) where the XLA reference is timed too
@@ -523,45 +525,137 @@ def chunk_flops(b, t, hk, hv, d, c=64):
     return b * hv * n * per_chunk
 
 
+def chunk_tiles(spec, b, hv, d):
+    """A ``--chunk-variants`` entry: ``auto`` (the kernel policy's choice), ``f,bv,warps,stages`` (read-out fused
+    into the sequential pass) or ``s,bv,warps,stages,out_bv,out_warps`` (separate read-out launch)."""
+    if spec == "auto":
+        return DEFAULT_POLICY.gdn_chunk_tiles()
+    form, *vals = spec.split(",")
+    vals = [int(x) for x in vals]
+    if form == "f":
+        return ChunkTiles(fused_readout=True, block_v=vals[0], num_warps=vals[1], num_stages=vals[2])
+    return ChunkTiles(fused_readout=False, block_v=vals[0], num_warps=vals[1], num_stages=vals[2],
+                      out_block_v=vals[3], out_num_warps=vals[4])
+
+
+def kernel_breakdown(fn, *args, chain, calls=8):
+    """Device microseconds per call of each kernel name in a profiler trace of ``calls`` chained calls."""
+    import tempfile
+
+    from jaxmtp.benchmarking import is_device_stream, read_trace
+
+    sets = [tuple(args)] + [tuple(_fresh(a) for a in args) for _ in range(3)]
+
+    @jax.jit
+    def loop(all_sets):
+        out = fn(*all_sets[0])
+        for i in range(1, calls):
+            out = fn(*chain(all_sets[i % len(all_sets)], jax.lax.optimization_barrier(out)))
+        return out
+
+    jax.block_until_ready(loop(sets))
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        jax.block_until_ready(loop(sets))
+        jax.profiler.stop_trace()
+        groups = read_trace(tmp)
+    per = collections.defaultdict(float)
+    for (p, t), evs in groups.items():
+        if is_device_stream(p, t):
+            for e in evs:
+                per[e.get("name", "?")] += e["dur"] / calls
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def section_chunk(configs=None):
+    """Chunked GDN prefill: ours (each ``--chunk-variants`` entry), the XLA reference and FLA at ``--chunk-shapes``
+    (B:T:Hv; Hk = 16, dk = dv = 128); a per-kernel trace of the first variant."""
     sm = ARGS.smoke
     hk, d = (2, 16) if sm else (16, 128)
     fla = None
     if not sm and not ARGS.no_fla:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-    for hv in ((2 * hk, 3 * hk) if not sm else (2 * hk,)):
-        for t in ((4096, 16384) if not sm else (128,)):
-            if out_of_time("chunk"):
-                return
-            shape = dict(b=1, t=t, hv=hv)
-            nbytes = gdn_bytes(1, t, hk, hv, d, False)
-            flops = chunk_flops(1, t, hk, hv, d)
-            q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(t + hv), 1, t, hk, hv, d)
-            kw = dict(use_qk_l2norm_in_kernel=True)
-            impls = [("pallas", functools.partial(chunk_gated_delta_rule_triton, **kw, **impl_kw()))]
-            if not ARGS.chunk_pallas_only:
-                impls.append(("xla", functools.partial(naive_chunk_gated_delta_rule, **kw)))
-            for name, fn in impls:
-                sec = guarded(f"chunk {name} {shape}", time_jax,
-                              lambda q, k, v, g, beta, s0, fn=fn: fn(q, k, v, g, beta, initial_state=s0),
-                              q, k, v, g, beta, s0, chain=chain_v, reps=3 if name == "xla" else None)
-                if sec:
-                    record("gdn_chunk", shape, name, sec, nbytes, flops)
-            if fla is not None and not ARGS.chunk_pallas_only:
-                sets = [fla_inputs(1, t, hk, hv, d) for _ in range(4)]
-                res = guarded(f"chunk fla {shape}", time_torch,
-                              [functools.partial(lambda tq, tk, tv, tg, tb, ts0: fla(
-                                  tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True), *x) for x in sets])
-                if res:
-                    record("gdn_chunk", shape, "fla", res[0], nbytes, flops, timer=res[1])
+    shapes = [(1, 128, 4), (2, 80, 4)] if sm else ARGS.chunk_shapes
+    for b, t, hv in shapes:
+        if out_of_time("chunk"):
+            return
+        shape = dict(b=b, t=t, hv=hv)
+        nbytes = gdn_bytes(b, t, hk, hv, d, False)
+        flops = chunk_flops(b, t, hk, hv, d)
+        q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(t + hv + b), b, t, hk, hv, d)
+        kw = dict(use_qk_l2norm_in_kernel=True)
+        impls = []
+        for spec in ARGS.chunk_variants.split(";"):
+            tiles = chunk_tiles(spec, b, hv, d)
+            impls.append((f"pallas[{spec}]" if spec != "auto" else "pallas",
+                          functools.partial(chunk_gated_delta_rule_triton, **kw, tiles=tiles, **impl_kw())))
+        if not ARGS.chunk_pallas_only:
+            impls.append(("xla", functools.partial(naive_chunk_gated_delta_rule, **kw)))
+        for i, (name, fn) in enumerate(impls):
+            call = lambda q, k, v, g, beta, s0, fn=fn: fn(q, k, v, g, beta, initial_state=s0)  # noqa: E731
+            sec = guarded(f"chunk {name} {shape}", time_jax, call, q, k, v, g, beta, s0, chain=chain_v,
+                          reps=3 if name == "xla" else None)
+            if sec:
+                extra = {}
+                if i == 0 and not sm:
+                    extra["kernels_us"] = guarded(f"chunk trace {shape}", kernel_breakdown, call, q, k, v, g, beta,
+                                                  s0, chain=chain_v)
+                record("gdn_chunk", shape, name, sec, nbytes, flops, **extra)
+        if fla is not None and not ARGS.chunk_pallas_only:
+            sets = [fla_inputs(b, t, hk, hv, d) for _ in range(4)]
+            res = guarded(f"chunk fla {shape}", time_torch,
+                          [functools.partial(lambda tq, tk, tv, tg, tb, ts0: fla(
+                              tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True), *x) for x in sets])
+            if res:
+                record("gdn_chunk", shape, "fla", res[0], nbytes, flops, timer=res[1])
 
 
 def attn_bytes(b, t, hq, hkv, d, n_valid):
     return b * hkv * n_valid * d * 2 * 2 + 2 * b * t * hq * d * 2
 
 
-def section_attention():
+ATTN_TILE_KEYS = ("block_rows", "block_kv", "num_warps", "num_stages", "n_split")  # --attention-variants
+ATTN_SPLIT_KEYS = ("n_split", "block_kv", "num_warps", "num_stages")  # --attention-splits
+
+
+def attention_variant(spec, keys):
+    """One ';'-separated entry of ``--attention-variants`` / ``--attention-splits``: ``plan`` (the launch plan: no
+    keywords) or comma-separated integers for the first of ``keys``, in order."""
+    spec = spec.strip()
+    if spec == "plan":
+        return {}
+    vals = [int(x) for x in spec.split(",")]
+    if len(vals) > len(keys):
+        raise ValueError(f"attention variant {spec!r}: at most {len(keys)} values ({','.join(keys)})")
+    return dict(zip(keys, vals))
+
+
+def attention_specs(flag, smoke_default):
+    """The entries of a ';'-separated variants flag, ``plan`` first (``smoke_default`` under --smoke)."""
+    extra = [v.strip() for v in (flag or (smoke_default if ARGS.smoke else "")).split(";") if v.strip()]
+    return ["plan"] + [v for v in extra if v != "plan"]
+
+
+def causal_flops(hq, d, positions):
+    """Matmul FLOPs causal attention needs: ``4 * d * Hq`` per visible (query, kv row) pair, summed over the query
+    rows (``pos + 1`` pairs each; padding rows none)."""
+    pos = np.asarray(positions, np.int64)
+    return 4 * d * hq * float(np.where(pos >= 0, pos + 1, 0).sum())
+
+
+def kv_read_bytes(b, hkv, d, n_rows, itemsize=2):
+    """K and V rows 0..n_rows-1 of every (batch row, kv head): what a decode step must read."""
+    return 2 * b * hkv * n_rows * d * itemsize
+
+
+def chain_fused(a, out):
+    """The fused layer: the next call reads the caches this one wrote, and its projection moves by one element of
+    this call's output (so no launch is dead code)."""
+    return (a[0] + out[0][0, 0, 0].astype(a[0].dtype), *a[1:4], out[1], out[2], a[6])
+
+
+def _attention_decode():
     sm = ARGS.smoke
     d = 32 if sm else 256
     heads = [(16, 2), (24, 2)] if not sm else [(4, 2)]
@@ -585,18 +679,114 @@ def section_attention():
                                       reps=5 if name == "xla" else None)
                         if sec:
                             record("attention_decode", shape, name, sec, nbytes)
-    # prefill: the same op over a whole prompt (causal)
-    t = 4096 if not sm else 64
-    hq, hkv = heads[-1]
-    shape = dict(b=1, t=t, hq=hq, hkv=hkv, ctx=t)
-    args = attn_inputs(jax.random.key(3), 1, t, hq, hkv, d, t, np.arange(t)[None])
-    flops = 2 * 2 * hq * d * t * (t + 1) / 2
-    for name, fn in (("pallas", functools.partial(cached_attention_triton, **impl_kw())), ("xla", attention_reference)):
-        if out_of_time("attention prefill"):
-            return
-        sec = guarded(f"attention prefill {name}", time_jax, fn, *args, chain=chain_first, reps=3)
-        if sec:
-            record("attention_prefill", shape, name, sec, None, flops)
+
+
+def _attention_prefill():
+    from jaxmtp.pallas.attention.decode_triton import launch_plan
+
+    sm = ARGS.smoke
+    d = 32 if sm else 256
+    # (b, t, hq, hkv, cache rows, first position): causal prompts, then late chunks at the end of 8k / 32k caches
+    shapes = [(1, 64, 4, 2, 64, 0), (2, 24, 6, 2, 80, 56)] if sm else [
+        (1, 4096, 24, 4, 4096, 0), (1, 4096, 24, 2, 4096, 0), (1, 1024, 24, 4, 8192, 7168),
+        (1, 1024, 24, 4, 32768, 31744)]
+    specs = attention_specs(ARGS.attention_variants, "16,16,4,3;32,64,4,2,2")
+    for b, t, hq, hkv, s, p0 in shapes:
+        shape = dict(b=b, t=t, hq=hq, hkv=hkv, ctx=s, pos0=p0)
+        pos = np.broadcast_to(p0 + np.arange(t), (b, t))
+        args = attn_inputs(jax.random.key(t + s + hkv), b, t, hq, hkv, d, s, pos)
+        flops = causal_flops(hq, d, pos)
+        ref = ref_spec = None
+        for spec in specs:
+            if out_of_time("attention prefill"):
+                return
+            kw = attention_variant(spec, ATTN_TILE_KEYS)
+            if kw.get("block_kv", 0) > s or kw.get("block_rows", 0) > max(16, t * hq // hkv):
+                continue
+            fn = functools.partial(cached_attention_triton, **kw, **impl_kw())
+            out = guarded(f"attention prefill {spec} {shape}", fn, *args)
+            if out is None:
+                continue
+            if ref is None:
+                ref, ref_spec = out, spec
+            else:
+                add_check(f"attention prefill {shape} {spec} vs {ref_spec}", *rel_err(out, ref), 1e-2)
+            sec = guarded(f"attention prefill {spec} {shape}", time_jax, fn, *args, chain=chain_first,
+                          reps=2 if sm else None)
+            if sec:
+                extra = {"plan": launch_plan(b, t, hq, hkv, s)._asdict()} if spec == "plan" else {}
+                record("attention_prefill", shape, spec, sec, None, flops, **extra)
+        if ref is not None and (sm or (p0 == 0 and hkv == 2)):  # the XLA reference at the 24/2 prompt
+            if out_of_time("attention prefill xla"):
+                return
+            add_check(f"attention prefill {shape} {ref_spec} vs xla", *rel_err(ref, attention_reference(*args)), 1e-2)
+            sec = guarded(f"attention prefill xla {shape}", time_jax, attention_reference, *args, chain=chain_first,
+                          reps=3)
+            if sec:
+                record("attention_prefill", shape, "xla", sec, None, flops)
+        del ref, args
+
+
+def _attention_splits():
+    from jaxmtp.pallas.attention.decode_triton import launch_plan
+    from jaxmtp.pallas.attention.prelude_triton import fused_splits, gated_attention_triton
+    from jaxmtp.pallas.attention.rope import rope_inv_freq
+
+    sm = ARGS.smoke
+    d, rd, s = (32, 8, 128) if sm else (256, 64, 32768)
+    specs = attention_specs(ARGS.attention_splits, "3,16;40,16,4,2")
+    for hq, hkv in ([(4, 2)] if sm else [(24, 4), (24, 2)]):
+        for b in ((2,) if sm else (1, 8)):
+            shape = dict(b=b, t=1, hq=hq, hkv=hkv, ctx=s)
+            nbytes = kv_read_bytes(b, hkv, d, s)
+            q, kc, vc, pos = attn_inputs(jax.random.key(b * 7 + hkv), b, 1, hq, hkv, d, s, np.full((b, 1), s - 1))
+            proj = jax.random.normal(jax.random.key(b), (b, 1, 2 * (hq + hkv) * d), jnp.bfloat16)
+            norm = 0.1 * jax.random.normal(jax.random.key(5), (d,), jnp.float32)
+            inv_freq = jnp.asarray(rope_inv_freq(rd, 1e7), jnp.float32)
+            plan_splits = launch_plan(b, 1, hq, hkv, s).n_split
+            paths = {"fused": (functools.partial(gated_attention_triton, hq=hq, hkv=hkv, d=d, eps=1e-6),
+                               (proj, norm, norm, inv_freq, kc, vc, pos), chain_fused, fused_splits(plan_splits)),
+                     "core": (cached_attention_triton, (q, kc, vc, pos), chain_first, plan_splits)}
+            for path, (base, args, chain, ns_plan) in paths.items():
+                ref = ref_spec = None
+                for spec in specs:
+                    if out_of_time("attention splits"):
+                        return
+                    kw = attention_variant(spec, ATTN_SPLIT_KEYS)
+                    fn = functools.partial(base, **kw, **impl_kw())
+                    out = guarded(f"attention {path} {spec} {shape}", fn, *args)
+                    if out is None:
+                        continue
+                    y = out[0] if path == "fused" else out
+                    if ref is None:
+                        ref, ref_spec = y, spec
+                    else:
+                        add_check(f"attention {path} {shape} {spec} vs {ref_spec}", *rel_err(y, ref), 1e-2)
+                    del out
+                    sec = guarded(f"attention {path} {spec} {shape}", time_jax, fn, *args, chain=chain,
+                                  reps=2 if sm else None)
+                    if sec:
+                        record(f"attention_decode_{path}", shape, spec, sec, nbytes, n_split=kw.get("n_split", ns_plan))
+                del ref
+
+
+def section_attention():
+    """Attention over the KV carry, the parts named by ``--attention-parts``:
+
+    - ``decode``: the launch plan at decode and verify windows (B 1-32, 16/2 and 24/2 heads, 4k and 32k contexts), XLA
+      at a few;
+    - ``prefill``: ``plan`` and each ``--attention-variants`` entry (``bm,bs,warps,stages[,splits]``) at causal
+      4096-token prompts (24/4 and 24/2 heads) and 1024-token chunks at positions 7168.. and 31744.. of 8k and 32k
+      caches (24/4); TFLOP/s of the FLOPs causal attention needs (:func:`causal_flops`), each variant checked against
+      the plan; XLA at the 24/2 prompt;
+    - ``splits``: decode (T = 1, B 1 and 8, 24/4 and 24/2 heads, a 32k cache wholly valid) through the fused layer
+      (``prelude_triton.gated_attention_triton``: prelude, attention, epilogue) and through
+      ``cached_attention_triton`` (jnp combine), for ``plan`` and each ``--attention-splits`` entry
+      (``splits[,bs,warps,stages]``); GB/s of the K and V rows read (:func:`kv_read_bytes`)."""
+    parts = {p.strip() for p in ARGS.attention_parts.split(",")}
+    for name, fn in (("decode", _attention_decode), ("prefill", _attention_prefill), ("splits", _attention_splits)):
+        if name in parts and not out_of_time(f"attention {name}"):
+            guarded(f"attention {name}", fn)
 
 
 def section_moe():
@@ -769,18 +959,17 @@ def section_sweep():
                        gdn_bytes(b, t, hk, hv, d, steps))
     t = 16384 if not sm else 128
     q, k, v, g, beta, s0 = gdn_inputs(jax.random.key(12), 1, t, hk, 2 * hk, d)
-    for bv, nw, nwp, ns in ((64, 4, 4, 2), (32, 4, 4, 2), (64, 8, 4, 2), (32, 2, 4, 2), (64, 4, 8, 2), (64, 4, 4, 3),
-                            (32, 4, 4, 3)):
+    for spec in ("f,32,4,3", "f,16,4,3", "f,64,4,2", "f,32,8,3", "s,32,4,3,64,4", "s,16,4,3,64,4", "s,32,4,3,128,8"):
         if out_of_time("sweep"):
             return
-        if bv > d:
+        tiles = chunk_tiles(spec, 1, 2 * hk, d)
+        if tiles.block_v > d:
             continue
-        fn = functools.partial(chunk_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True, block_v=bv, num_warps=nw,
-                               num_warps_prep=nwp, num_stages=ns, **impl_kw())
+        fn = functools.partial(chunk_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True, tiles=tiles, **impl_kw())
         sec = guarded("sweep chunk", time_jax, lambda *a, fn=fn: fn(*a[:5], initial_state=a[5]), q, k, v, g, beta, s0,
                       chain=chain_v)
         if sec:
-            record("sweep_gdn_chunk", dict(t=t, hv=2 * hk), f"bv{bv}_w{nw}_wp{nwp}_s{ns}", sec,
+            record("sweep_gdn_chunk", dict(t=t, hv=2 * hk), spec, sec,
                    gdn_bytes(1, t, hk, 2 * hk, d, False), chunk_flops(1, t, hk, 2 * hk, d))
     dd = 32 if sm else 256
     s = 32768 if not sm else 128
@@ -927,9 +1116,24 @@ def main():
                         '\'[{"block_k": 64, "num_stages": 2}]\' (the plan is always timed first)')
     p.add_argument("--mixer-variants", default=None,
                    help='mixer section: a JSON list of gdn_mixer_triton keyword sets, e.g. \'[{"num_warps": 2}]\'')
+    p.add_argument("--attention-parts", default="decode,prefill,splits",
+                   help="attention section parts: decode (the plan at decode/verify shapes), prefill (tile variants), "
+                        "splits (decode split counts, fused layer and cached_attention_triton)")
+    p.add_argument("--attention-variants", default=None,
+                   help="attention prefill tiles to time after the plan, ';'-separated bm,bs,warps,stages[,splits], "
+                        "e.g. '128,64,8,2;128,32,8,3'")
+    p.add_argument("--attention-splits", default=None,
+                   help="attention decode settings to time after the plan, ';'-separated splits[,bs,warps,stages], "
+                        "e.g. '32;64;128;64,128,4,2'")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
     p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")
+    p.add_argument("--chunk-shapes", type=lambda v: [tuple(int(x) for x in e.split(":")) for e in v.split(",")],
+                   default="1:4096:32,1:16384:32,1:4096:48,1:16384:48,4:4096:32,4:4096:48,1:1024:48",
+                   help="chunk section shapes B:T:Hv")
+    p.add_argument("--chunk-variants", default="auto",
+                   help="chunk kernel tiles, ';'-separated: auto (the policy's), f,bv,warps,stages (fused read-out) or "
+                        "s,bv,warps,stages,out_bv,out_warps (separate read-out)")
     ARGS = p.parse_args()
     sections = [s for s in ARGS.sections.split(",") if s]
     if ARGS.smoke:

@@ -1,10 +1,14 @@
 """Cached-attention Pallas kernels (GPU Triton and TPU Mosaic variants, run by the Pallas interpreter) against the
 jnp reference: GQA ratios 1, 2, 3, per-row lengths, padding rows, decode/verify/prefill windows, split-K, a cache
-length that is no multiple of the kv block, stale rows past each position, float32 and bf16. Then the fused
-gated-attention path (prelude and epilogue kernels around the Triton launch) against the jnp steps and the layer.
+length that is no multiple of the kv block, stale rows past each position, float32 and bf16; prefill chunks whose
+tiles span unmasked and masked kv blocks under several tile settings, and the launch plan the policy selects. Then
+the fused gated-attention path (prelude and epilogue kernels around the Triton launch, up to more than 32 splits)
+against the jnp steps and the layer.
 
 The interpreters fill output buffers with NaN before the kernel runs, so unwritten elements fail the check.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +17,15 @@ import pytest
 
 from jaxmtp.config import FULL, Qwen35Config
 from jaxmtp.layers.attention import KVCache, gated_attention
-from jaxmtp.pallas import Backend
+from jaxmtp.pallas import Backend, KernelPolicy
+from jaxmtp.pallas import ops
 from jaxmtp.pallas.attention.rope import rope_angles, rope_inv_freq
 from jaxmtp.param_layout import fuse_projections
 from jaxmtp.pallas.attention import (attention_reference, cached_attention, fused_gated_attention,
                                      output_gate_reference, prelude_reference, split_qkv)
-from jaxmtp.pallas.attention.decode_triton import cached_attention_triton, combine_splits, pack_queries, unpack_rows
-from jaxmtp.pallas.attention.prelude_triton import epilogue_triton, prelude_triton
+from jaxmtp.pallas.attention.decode_triton import (Plan, cached_attention_triton, combine_splits, kv_ranges,
+                                                   launch_plan, pack_queries, unpack_rows)
+from jaxmtp.pallas.attention.prelude_triton import epilogue_triton, fused_splits, gated_attention_triton, prelude_triton
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 
@@ -75,6 +81,79 @@ def test_triton_splits_and_blocks(rng, n_split, block_kv):
     check(o, attention_reference(q, kc, vc, pos), pos, TOL[jnp.float32])
 
 
+PREFILL_CASES = [
+    # (b, t, hq, hkv, s, starts, dtype, tiles (block_rows, block_kv, num_warps, num_stages)): chunks at offsets inside
+    # larger caches (stale rows past them), T * G no multiple of the row tile, S no multiple of the kv block,
+    # ragged offsets across the batch, a padding token inside a window and one at its end
+    (2, 37, 3, 1, 150, [100, 0], jnp.float32, (16, 16, 4, 3)),
+    (2, 29, 4, 2, 131, [64, 99], jnp.bfloat16, (32, 32, 4, 2)),
+    (1, 40, 2, 2, 100, [50], jnp.float32, (64, 16, 8, 3)),
+    (2, 21, 6, 2, 90, [69, 31], jnp.float32, (32, 64, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,starts,dtype,tiles", PREFILL_CASES)
+def test_prefill_tiles_match_reference(rng, b, t, hq, hkv, s, starts, dtype, tiles):
+    """Prefill chunks under explicit tiles: each tile's blocks below its lowest valid position run unmasked, the
+    rest masked (the last one shifted back to end at S); padding tokens get zeros and leak into no row."""
+    q, kc, vc, pos = make_inputs(rng, b, t, hq, hkv, 32, s, dtype, starts, pad_last=True)
+    pos = pos.at[0, 3].set(-1)  # a padding token inside the first window
+    bm, bs, nw, ns = tiles
+    o = cached_attention_triton(q, kc, vc, pos, block_rows=bm, block_kv=bs, num_warps=nw, num_stages=ns,
+                                interpret=True)
+    check(o, attention_reference(q, kc, vc, pos), pos, TOL[dtype])
+    assert not np.asarray(o, np.float32)[np.asarray(pos) < 0].any(), "padding tokens must give zeros"
+
+
+def test_prefill_plan_through_ops_policy(rng):
+    """The backend's policy reaches the kernel (``ops.cached_attention``): prefill tiles from
+    ``attention_prefill_min_rows`` rows on, and the same output under another row tile and split-K."""
+    q, kc, vc, pos = make_inputs(rng, 2, 23, 4, 2, 32, 120, jnp.float32, [80, 7], pad_last=True)
+    policy = KernelPolicy(attention_prefill_min_rows=32, attention_prefill_block_rows=16,
+                          attention_prefill_block_kv=32, attention_prefill_num_warps=2,
+                          attention_prefill_num_stages=2, attention_split_waves=2, num_sms=4)
+    assert launch_plan(2, 23, 4, 2, 120, policy) == Plan(16, 32, 1, 2, 2)
+    backend = Backend(attention="triton_interpret", policy=policy)
+    fn = lambda *a: ops.cached_attention(*a, backend)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(fn)(q, kc, vc, pos))
+    assert "f32[2,2,48,32]" in jaxpr and "f32[2,2,64,32]" not in jaxpr  # 46 rows in 16-row tiles, not one of 64
+    check(fn(q, kc, vc, pos), attention_reference(q, kc, vc, pos), pos, TOL[jnp.float32])
+    o = cached_attention_triton(q, kc, vc, pos, block_rows=32, block_kv=16, n_split=3, interpret=True)
+    check(o, attention_reference(q, kc, vc, pos), pos, TOL[jnp.float32])
+
+
+def test_kv_ranges_split_unmasked_and_masked_blocks():
+    """Blocks wholly at or below every valid row's position are unmasked; padding rows do not shrink that range."""
+    ranges = lambda pos, **kw: tuple(int(x) for x in kv_ranges(jnp.asarray(pos, jnp.int32), 16, 300, **kw))  # noqa
+    assert ranges([100, 120, -1, -1]) == (0, 6, 6, 8)  # rows 0..95 unmasked; blocks 6, 7 masked
+    assert ranges([-1, 100, 120, -1]) == (0, 6, 6, 8)
+    assert ranges([5, 200, -1, 130]) == (0, 0, 0, 13)  # a row at 5: every block masked
+    assert ranges([-1, -1]) == (0, 0, 0, 0)  # padding only: nothing read
+    assert ranges([299, 299]) == (0, 18, 18, 19)  # the last block (shifted back to end at 300) stays masked
+    assert ranges([100, 120], n_split=3, split=1) == (3, 6, 6, 6)  # split-K shares: 3 blocks each
+    assert ranges([100, 120], n_split=3, split=2) == (6, 6, 6, 8)
+
+
+def test_launch_plan_policy_fields():
+    """Decode plan below ``attention_prefill_min_rows`` packed rows, prefill tiles from there (wide tiles where
+    they fill ``attention_wide_min_waves`` waves); split-K up to
+    ``attention_split_waves`` waves; the fused path's split count rounded up to a power of two, capped by
+    ``attention_max_splits``."""
+    p = KernelPolicy(num_sms=132)
+    assert launch_plan(1, 1, 24, 2, 32768, p) == Plan(16, 64, 66, 4, 3)  # today's decode plan
+    assert launch_plan(1, 4096, 24, 2, 4096, p) == Plan(128, 64, 1, 8, 2)  # 768 wide tiles: 5.8 waves
+    assert launch_plan(1, 1024, 24, 4, 8192, p) == Plan(64, 64, 1, 4, 3)  # 192 wide tiles: 1.5 waves
+    assert launch_plan(1, 1, 24, 2, 40, p) == Plan(16, 32, 2, 4, 3)  # kv block <= S, one split per block at most
+    assert fused_splits(66, p) == 32 and fused_splits(3, p) == 4 and fused_splits(1, p) == 1
+    p2 = dataclasses.replace(p, attention_split_waves=2, attention_max_splits=256, attention_prefill_min_rows=1024,
+                             attention_prefill_block_rows=128, attention_prefill_num_warps=8,
+                             attention_decode_block_kv=128, attention_decode_num_stages=2)
+    assert launch_plan(1, 1, 24, 2, 32768, p2) == Plan(16, 128, 132, 4, 2)
+    assert fused_splits(132, p2) == 256 and fused_splits(132, dataclasses.replace(p2, attention_max_splits=100)) == 100
+    assert launch_plan(1, 64, 24, 4, 8192, p2) == Plan(64, 128, 11, 4, 2)  # 384 rows: still the decode plan
+    assert launch_plan(1, 1024, 24, 4, 8192, p2) == Plan(128, 64, 2, 8, 3)  # 192 programs: 2 splits for 2 waves
+
+
 def test_unsupported_shapes_fall_back(rng):
     q, kc, vc, pos = make_inputs(rng, 1, 1, 2, 1, 12, 10, jnp.float32, [4])  # head_dim 12, 10 cache rows
     for impl in ("triton_interpret", "mosaic_tpu_interpret"):
@@ -92,6 +171,28 @@ def test_kernels_lower_at_model_shapes(impl, platform, t):
     fn = lambda *a: cached_attention(*a, implementation=impl)  # noqa: E731
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert ("triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
+
+
+def test_tuned_plans_lower_at_model_shapes():
+    """Policy-chosen plans lower for CUDA at Qwen3.5 27B shapes (24/4 heads, head_dim 256, 32k cache): a prefill
+    chunk on 128-row tiles with 8 warps, and the fused decode layer with 80 splits (three epilogue groups, the last
+    shifted and masked)."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    hq, hkv, d, s = 24, 4, 256, 32768
+    prefill = KernelPolicy(attention_prefill_block_rows=128, attention_prefill_num_warps=8,
+                           attention_prefill_num_stages=2)
+    args = (sds((1, 512, hq, d), bf16), sds((1, hkv, s, d), bf16), sds((1, hkv, s, d), bf16),
+            sds((1, 512), jnp.int32))
+    fn = lambda *a: cached_attention(*a, implementation="triton", policy=prefill)  # noqa: E731
+    assert "triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    decode = KernelPolicy(attention_max_splits=80, attention_split_waves=2, num_sms=132)
+    args = (sds((1, 1, 2 * (hq + hkv) * d), bf16), sds((d,), jnp.float32), sds((d,), jnp.float32),
+            sds((32,), jnp.float32), sds((1, hkv, s, d), bf16), sds((1, hkv, s, d), bf16), sds((1, 1), jnp.int32))
+    fn = lambda *a: fused_gated_attention(*a, hq=hq, hkv=hkv, d=d, eps=1e-6, implementation="triton",  # noqa: E731
+                                          policy=decode)
+    traced = jax.jit(fn).trace(*args)
+    assert "f32[1,4,80,16,256]" in str(traced.jaxpr)
+    assert traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,9 +248,10 @@ def test_prelude_matches_reference(rng, t, hq, hkv, d, rd, dtype, positions):
         assert not (changed & ~written).any(), f"{name}: rows changed that no valid token writes"
 
 
-@pytest.mark.parametrize("n_split", [1, 4])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n_split,dtype", [(1, jnp.float32), (1, jnp.bfloat16), (4, jnp.float32),
+                                           (4, jnp.bfloat16), (3, jnp.float32), (40, jnp.bfloat16)])
 def test_epilogue_matches_combine_and_gate(rng, n_split, dtype):
+    """One split, a power of two, and counts the epilogue combines in shifted groups (3: two of 2; 40: 32 + 8)."""
     b, t, hq, hkv, d, mp = 2, 3, 6, 2, 16, 16
     proj = jnp.asarray(rng.standard_normal((b, t, 2 * (hq + hkv) * d)), dtype)
     if n_split == 1:
@@ -208,6 +310,34 @@ def test_gated_attention_with_fused_prelude_matches_xla(rng, t, dtype):
     np.testing.assert_array_equal(np.asarray(y1, np.float32)[:, 0],
                                   np.asarray(y, np.float32)[np.arange(b), np.asarray(rows)])
     np.testing.assert_array_equal(np.asarray(got1.k), np.asarray(got.k))
+
+
+def test_fused_layer_with_more_than_32_splits(rng):
+    """The backend's policy reaches the fused launch: 48 splits (``attention_max_splits``; the epilogue combines
+    them in two groups of 32, the second shifted back and half masked), and 40 given explicitly, against the jnp
+    layer steps."""
+    cfg = Qwen35Config(family="qwen3_5", vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, layer_types=(FULL,))
+    p = attention_layer(rng, cfg, jnp.float32)
+    b, s = 2, 600
+    x = jnp.asarray(rng.standard_normal((b, 1, cfg.hidden_size)), jnp.float32)
+    positions = jnp.asarray([[590], [233]], jnp.int32)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal((b, 2, s, 16)), jnp.float32) for _ in range(2)))
+    policy = KernelPolicy(attention_max_splits=48, attention_decode_block_kv=16, num_sms=132)
+    kernels = Backend(attention="triton_interpret", attention_prelude="triton_interpret", policy=policy)
+    fn = lambda x, cache: gated_attention(p, cfg, x, positions, cache, backend=kernels)  # noqa: E731
+    assert "f32[2,2,48,16,16]" in str(jax.make_jaxpr(fn)(x, cache))  # the split partials [B, Hkv, NS, MP, D]
+    y, got = fn(x, cache)
+    y_ref, want = jax.jit(lambda x, cache: gated_attention(p, cfg, x, positions, cache))(x, cache)
+    assert_close(y, y_ref, jnp.float32, "layer output, 48 splits")
+    assert_close(got.k, want.k, jnp.float32, "k cache")
+    args = fused_inputs(rng, b, 2, 4, 2, 16, 8, s, jnp.bfloat16, [[300, 301], [77, -1]])
+    kw = dict(hq=4, hkv=2, d=16, eps=1e-6)
+    y40, *_ = gated_attention_triton(*args, **kw, n_split=40, block_kv=16, interpret=True)
+    y40_ref, *_ = jax.jit(lambda *a: fused_gated_attention(*a, **kw, implementation="xla"))(*args)
+    valid = np.asarray(args[-1]) >= 0
+    assert_close(np.asarray(y40, np.float32)[valid], np.asarray(y40_ref, np.float32)[valid], jnp.bfloat16,
+                 "layer output, 40 splits")
 
 
 @pytest.mark.parametrize("d,rd,s,t", [(12, 4, 10, 1), (32, 12, 24, 2), (16, 4, 40, 17)])

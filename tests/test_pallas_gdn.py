@@ -112,6 +112,23 @@ def test_chunk_matches_reference(rng, impl, t, r, chunk, dtype, init, pad_rows):
         assert_close(s[row : row + 1], s_row, TOL[dtype])
 
 
+@pytest.mark.parametrize("tiles", [dict(fused_readout=False, block_v=16, out_block_v=32),
+                                   dict(fused_readout=False, block_v=64, out_block_v=16),
+                                   dict(fused_readout=True, block_v=16)])
+def test_chunk_tiles_match_reference(rng, tiles):
+    """Both read-out forms and every dv slicing of the sequential pass and of the separate read-out give the
+    reference (dv = 64: 4 / 1 sequential slices, 2 / 4 read-out slices), bf16, 2 value heads per key head, T not a
+    multiple of the chunk."""
+    from jaxmtp.pallas.gated_delta_rule.chunk_triton import ChunkTiles, chunk_gated_delta_rule_triton
+
+    (q, k, v, g, beta), s0 = make_inputs(rng, 2, 90, 2, 2, 32, 64, jnp.bfloat16, ((0, 70),))
+    o, s = chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True,
+                                         chunk_size=32, tiles=ChunkTiles(**tiles), interpret=True)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
+    assert_close(o, o_ref, TOL[jnp.bfloat16])
+    assert_close(s, s_ref, TOL[jnp.bfloat16])
+
+
 def test_chunk_without_final_state(rng):
     (q, k, v, g, beta), s0 = make_inputs(rng, 1, 20, 1, 2, 16, 16, jnp.float32)
     o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=False, chunk_size=16,

@@ -185,7 +185,8 @@ def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Bac
 # ---------------------------------------------------------------------------------------------------------------
 def cached_attention(q, k_cache, v_cache, positions, backend: Backend):
     """Attention of q [B, T, Hq, D] over the caches [B, Hkv, S, D] (:func:`jaxmtp.pallas.attention.cached_attention`)."""
-    return _attention.cached_attention(q, k_cache, v_cache, positions, implementation=backend.attention)
+    return _attention.cached_attention(q, k_cache, v_cache, positions, implementation=backend.attention,
+                                       policy=backend.policy)
 
 
 def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, backend: Backend, *, hq, hkv,
@@ -195,7 +196,7 @@ def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, posi
     prelude kernel runs, the jnp steps otherwise."""
     return _attention.fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, hq=hq,
                                             hkv=hkv, d=d, eps=eps, implementation=backend.attention_prelude,
-                                            attention=backend.attention, out_rows=out_rows)
+                                            attention=backend.attention, out_rows=out_rows, policy=backend.policy)
 
 
 def gdn_form(t: int, backend: Backend) -> str:
@@ -210,7 +211,7 @@ def gdn_form(t: int, backend: Backend) -> str:
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, backend: Backend):
     """Prefill form of the rule, q/k L2-normalised inside: ``(o [B, T, Hv, dv], final state)``."""
     return _gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm_in_kernel=True,
-                                       implementation=backend.gdn_chunk)
+                                       implementation=backend.gdn_chunk, policy=backend.policy)
 
 
 def gdn_mixer(proj, ring, conv_w, a_log, dt_bias, state, valid, start, backend: Backend, *, cfg, replay: bool):

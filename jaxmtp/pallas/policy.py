@@ -60,12 +60,47 @@ class KernelPolicy:
     output_split_max_rows: int = 4  # rows on the split-K kernel whose partials the add + norm kernel sums
     output_split_max_splits: int = 4  # at most this many splits there
 
+    # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
+    attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
+    attention_prefill_block_rows: int = 64  # prefill tiles: query rows, kv rows, warps, stages
+    attention_prefill_block_kv: int = 64
+    attention_prefill_num_warps: int = 4
+    attention_prefill_num_stages: int = 3
+    # ... and wider tiles (rows, warps, stages) where their grid still fills this many waves of programs
+    attention_wide_block_rows: int = 128
+    attention_wide_num_warps: int = 8
+    attention_wide_num_stages: int = 2
+    attention_wide_min_waves: int = 3
+    attention_decode_block_kv: int = 64  # fewer rows (one row tile of up to 64): kv rows, warps, stages
+    attention_decode_num_warps: int = 4
+    attention_decode_num_stages: int = 3
+    attention_split_waves: int = 1  # split the kv range until about this many waves of programs run
+    attention_max_splits: int = 32  # most splits of the fused layer's launch (its epilogue combines them)
+
     # gated delta rule (jaxmtp.pallas.gated_delta_rule)
     recurrent_max_tokens: int = 16  # the recurrent / mixer / commit kernels unroll over at most this many tokens
     commit_one_launch_max_rows: int = 4  # rows up to which one commit launch covers every layer
     mixer_block_v: int = 32  # the dv slice a mixer program owns
     mixer_num_warps: int = 4
     commit_num_warps: int = 4
+    # chunked prefill (gated_delta_rule/chunk_triton.py): the read-out inside the sequential pass (else its own
+    # parallel launch); the sequential pass's dv slice, warps and pipeline stages; the separate read-out's dv slice
+    # and warps
+    gdn_chunk_fused_readout: bool = True
+    gdn_chunk_block_v: int = 32
+    gdn_chunk_num_warps: int = 4
+    gdn_chunk_num_stages: int = 3
+    gdn_chunk_out_block_v: int = 64
+    gdn_chunk_out_num_warps: int = 4
+
+    def gdn_chunk_tiles(self):
+        """The chunked GDN kernel's launch parameters
+        (:class:`jaxmtp.pallas.gated_delta_rule.chunk_triton.ChunkTiles`)."""
+        from jaxmtp.pallas.gated_delta_rule.chunk_triton import ChunkTiles
+
+        return ChunkTiles(fused_readout=bool(self.gdn_chunk_fused_readout), block_v=self.gdn_chunk_block_v,
+                          num_warps=self.gdn_chunk_num_warps, num_stages=self.gdn_chunk_num_stages,
+                          out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps)
 
     @property
     def sms(self) -> int:

@@ -15,17 +15,20 @@ from jaxmtp.pallas.attention.rope import rope_cos_sin
 from jaxmtp.pallas._common import MOSAIC_TPU, MOSAIC_TPU_INTERPRET, TRITON, TRITON_INTERPRET, interpret_arg
 from jaxmtp.pallas.attention.reference import (attention_reference, output_gate_reference, prelude_reference,
                                                split_qkv)
+from jaxmtp.pallas.policy import KernelPolicy
 
 
-def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementation="xla"):
-    """Dispatch to an implementation; see :mod:`jaxmtp.pallas.attention.reference` for shapes."""
+def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementation="xla",
+                     policy: KernelPolicy | None = None):
+    """Dispatch to an implementation; see :mod:`jaxmtp.pallas.attention.reference` for shapes. ``policy``: the
+    Triton kernel's tiles and splits (:func:`.decode_triton.launch_plan`; None: the default policy)."""
     d, s = q.shape[-1], k_cache.shape[2]
     if implementation in (TRITON, TRITON_INTERPRET):
         if d >= 16 and d & (d - 1) == 0 and s >= 16:
             from jaxmtp.pallas.attention.decode_triton import cached_attention_triton
 
             return cached_attention_triton(q, k_cache, v_cache, q_positions, scale=scale,
-                                           interpret=interpret_arg(implementation))
+                                           interpret=interpret_arg(implementation), policy=policy)
         implementation = "xla"
     if implementation in (MOSAIC_TPU, MOSAIC_TPU_INTERPRET):
         from jaxmtp.pallas.attention.decode_tpu import kv_block
@@ -42,7 +45,7 @@ def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementa
 
 
 def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, *, hq, hkv, d, eps,
-                          implementation="xla", attention=None, out_rows=None):
+                          implementation="xla", attention=None, out_rows=None, policy: KernelPolicy | None = None):
     """Gated attention of a decode / verify window from the fused projection ``proj [B, T, P]`` (serving layout's
     ``qkv_proj``, :func:`split_qkv`; ``inv_freq`` [rotary_dim / 2]: :func:`jaxmtp.pallas.attention.rope.rope_inv_freq`; other
     inputs as :func:`prelude_reference`). Returns (y [B, T, Hq*D] in proj.dtype, k_cache, v_cache); with
@@ -50,7 +53,8 @@ def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, posi
 
     ``implementation`` ``"triton"`` / ``"triton_interpret"`` runs :mod:`.prelude_triton` where
     :func:`.prelude_triton.supported` allows; otherwise (and for any other name) the reference steps run, with
-    :func:`cached_attention` using ``attention`` (default: ``implementation``)."""
+    :func:`cached_attention` using ``attention`` (default: ``implementation``). ``policy``: the attention launch's
+    tiles and splits (:func:`.prelude_triton.gated_attention_triton`, :func:`cached_attention`)."""
     if implementation in (TRITON, TRITON_INTERPRET):
         from jaxmtp.pallas.attention import prelude_triton
 
@@ -58,11 +62,11 @@ def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, posi
                                     s=k_cache.shape[2], p=proj.shape[-1]):
             return prelude_triton.gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache,
                                                          positions, out_rows, hq=hq, hkv=hkv, d=d, eps=eps,
-                                                         interpret=interpret_arg(implementation))
+                                                         interpret=interpret_arg(implementation), policy=policy)
     cos, sin = rope_cos_sin(jnp.maximum(positions, 0), inv_freq)
     q, gate, k_cache, v_cache = prelude_reference(*split_qkv(proj, hq=hq, hkv=hkv, d=d), q_norm, k_norm, cos, sin,
                                                   k_cache, v_cache, positions, hq=hq, hkv=hkv, d=d, eps=eps)
-    o = cached_attention(q, k_cache, v_cache, positions, implementation=attention or implementation)
+    o = cached_attention(q, k_cache, v_cache, positions, implementation=attention or implementation, policy=policy)
     y = output_gate_reference(o, gate)
     if out_rows is not None:
         y = jnp.take_along_axis(y, out_rows.astype(jnp.int32)[:, None, None], axis=1)

@@ -15,9 +15,10 @@ dtype. Tensors must have power-of-two sizes in Triton, so a head row is handled 
 rotary halves, then ``[rd, 2 rd), [2 rd, 4 rd), ..., [D/2, D)`` (D and rd powers of two).
 
 ``epilogue``, grid ``(B, Hq, T)``: the query head's packed row of the attention output (one split: the normalised
-``o``; several: the float32 partials of all NS splits as one ``[NS, D]`` tile, combined as
-:func:`.decode_triton.combine_splits` does, so NS is a power of two), rounded to the model dtype and multiplied by
-``sigmoid(gate)`` (rounded likewise), written as ``y [B, T, Hq*D]``.
+``o``; several: the float32 partials of the NS splits, read as ``[NG, D]`` tiles of NG = min(32, the largest power of
+two <= NS) splits and combined with a running (max, sum, acc) as :func:`.decode_triton.combine_splits` does; the last
+group is shifted back to end at NS, its already-combined splits masked, so NS is any count), rounded to the model
+dtype and multiplied by ``sigmoid(gate)`` (rounded likewise), written as ``y [B, T, Hq*D]``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas.attention.decode_triton import attention_core, plan
+from jaxmtp.pallas._common import next_pow2
+from jaxmtp.pallas.attention.decode_triton import _NEG, attention_core, launch_plan
+from jaxmtp.pallas.policy import DEFAULT_POLICY, KernelPolicy
 
 MAX_TOKENS = 16  # T per call (bounded as the GDN mixer's: decode and verify windows)
-MAX_SPLITS = 32  # the epilogue combines a row's splits as one [NS, D] float32 tile
+SPLIT_GROUP = 32  # the epilogue reads a row's splits as [NG, D] float32 tiles of at most this many
 
 
 def _pow2_spans(start: int, end: int):
@@ -151,20 +154,37 @@ def _epilogue_kernel(gate_ref, *refs, grp, one_row):
     row = i * grp + pl.program_id(1) % grp  # token i, query head q: packed row i * G + q % G
     if len(in_refs) == 1:
         o = in_refs[0][row, :]
-    else:  # combine the splits, as combine_splits
+    else:  # combine the splits, as combine_splits, a group of NG at a time
         acc_ref, m_ref, l_ref = in_refs
-        m, l = m_ref[:, row], l_ref[:, row]
-        w = jnp.exp(m - jnp.max(m))
-        l_all = jnp.sum(w * l)
-        o = jnp.sum(w[:, None] * acc_ref[:, row, :], axis=0) / jnp.where(l_all > 0, l_all, 1.0)
+        ns = m_ref.shape[0]
+        ng = min(SPLIT_GROUP, 1 << (ns.bit_length() - 1))
+        m_run = l_run = acc_run = None
+        for g in range(-(-ns // ng)):
+            off = min(g * ng, ns - ng)  # the last group ends at NS; its first g * NG - off splits were combined
+            m, l, a = m_ref[pl.ds(off, ng), row], l_ref[pl.ds(off, ng), row], acc_ref[pl.ds(off, ng), row, :]
+            fresh = lax.broadcasted_iota(jnp.int32, (ng,), 0) >= g * ng - off if g * ng > off else None
+            if fresh is not None:
+                m = jnp.where(fresh, m, _NEG)
+            mx = jnp.max(m) if m_run is None else jnp.maximum(m_run, jnp.max(m))
+            w = jnp.exp2(m - mx)
+            if fresh is not None:
+                w = jnp.where(fresh, w, 0.0)
+            l_g, acc_g = jnp.sum(w * l), jnp.sum(w[:, None] * a, axis=0)
+            if m_run is None:
+                l_run, acc_run = l_g, acc_g
+            else:
+                alpha = jnp.exp2(m_run - mx)
+                l_run, acc_run = l_run * alpha + l_g, acc_run * alpha + acc_g
+            m_run = mx
+        o = acc_run / jnp.where(l_run > 0, l_run, 1.0)
     gate = jax.nn.sigmoid(gate_in.astype(f32)).astype(dtype)
     y_ref[...] = (o.astype(dtype).astype(f32) * gate.astype(f32)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("hq", "d", "interpret"))
 def epilogue_triton(outs, proj, out_rows=None, *, hq, d, interpret=False):
-    """outs: :func:`.decode_triton.attention_core`'s outputs (one split: ``(o,)``; else ``(acc, m, l)`` with NS a
-    power of two); proj [B, T, P] (its gate columns). Returns y [B, T, Hq*D] in proj.dtype: the combined output
+    """outs: :func:`.decode_triton.attention_core`'s outputs (one split: ``(o,)``; else ``(acc, m, l)``, any number
+    of splits NS); proj [B, T, P] (its gate columns). Returns y [B, T, Hq*D] in proj.dtype: the combined output
     rounded to proj.dtype times ``sigmoid(gate)``, as :func:`.reference.output_gate_reference`. ``out_rows`` [B]
     int32: only that token's row of each window, y [B, 1, Hq*D] (no row selection after it)."""
     b, t, _ = proj.shape
@@ -175,8 +195,6 @@ def epilogue_triton(outs, proj, out_rows=None, *, hq, d, interpret=False):
         in_specs = [pl.BlockSpec((None, None, mp, d), lambda bi, q, i: (*lead(bi, q), 0, 0))]
     else:
         ns = outs[0].shape[2]
-        if ns & (ns - 1):
-            raise ValueError(f"the epilogue needs a power-of-two number of splits, got {ns}")
         in_specs = [pl.BlockSpec((None, None, ns, mp, d), lambda bi, q, i: (*lead(bi, q), 0, 0, 0)),
                     pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0)),
                     pl.BlockSpec((None, None, ns, mp), lambda bi, q, i: (*lead(bi, q), 0, 0))]
@@ -208,20 +226,29 @@ def supported(*, t, hq, hkv, d, rd, s, p) -> bool:
             and 1 <= t <= MAX_TOKENS and p >= 2 * (hq + hkv) * d)
 
 
-@functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "interpret"))
+def fused_splits(n_split: int, policy: KernelPolicy | None = None) -> int:
+    """The fused layer's split count for a planned ``n_split``: rounded up to a power of two (a split past the last
+    kv block finds nothing to read: one idle program), at most ``policy.attention_max_splits``."""
+    return max(1, min(next_pow2(n_split), (policy or DEFAULT_POLICY).attention_max_splits))
+
+
+@functools.partial(jax.jit, static_argnames=("hq", "hkv", "d", "eps", "interpret", "policy", "block_rows", "block_kv",
+                                             "n_split", "num_warps", "num_stages"))
 def gated_attention_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions, out_rows=None, *, hq, hkv,
-                           d, eps, interpret=False):
+                           d, eps, interpret=False, policy: KernelPolicy | None = None, block_rows=None,
+                           block_kv=None, n_split=None, num_warps=None, num_stages=None):
     """Prelude, attention launch and epilogue: (y [B, T, Hq*D], k_cache, v_cache), the contract of
     :func:`jaxmtp.pallas.attention.fused_gated_attention` (shapes: :func:`supported`; ``out_rows``: y [B, 1, Hq*D],
-    that row of each window, from the epilogue)."""
+    that row of each window, from the epilogue). The launch settings not given come from
+    :func:`.decode_triton.launch_plan` with ``policy``, the split count through :func:`fused_splits`."""
     b, t, _ = proj.shape
-    bm, bs, n_split = plan(b, t, hq, hkv, k_cache.shape[2])
-    # a power of two for the epilogue's [NS, D] tiles: rounded up to at most MAX_SPLITS (a split past the last kv
-    # block finds nothing to read: one idle program), above it down
-    n_split = min(1 << (n_split - 1).bit_length(), MAX_SPLITS) if n_split <= MAX_SPLITS else MAX_SPLITS
+    p = launch_plan(b, t, hq, hkv, k_cache.shape[2], policy)
+    bm, bs = block_rows or p.block_rows, block_kv or p.block_kv
+    n_split = n_split or fused_splits(p.n_split, policy)
     mp = math.ceil(t * (hq // hkv) / bm) * bm
     qr, pos, k_cache, v_cache = prelude_triton(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, positions,
                                                hq=hq, hkv=hkv, d=d, eps=eps, mp=mp, interpret=interpret)
     outs = attention_core(qr, pos, k_cache, v_cache, scale=d**-0.5, block_rows=bm, block_kv=bs, n_split=n_split,
+                          num_warps=num_warps or p.num_warps, num_stages=num_stages or p.num_stages,
                           interpret=interpret)
     return epilogue_triton(outs, proj, out_rows, hq=hq, d=d, interpret=interpret), k_cache, v_cache

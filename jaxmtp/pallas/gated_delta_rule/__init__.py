@@ -24,14 +24,16 @@ def _triton_shapes_ok(dk: int, dv: int) -> bool:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
-                           use_qk_l2norm_in_kernel=False, chunk_size=64, implementation="xla"):
+                           use_qk_l2norm_in_kernel=False, chunk_size=64, implementation="xla",
+                           policy: KernelPolicy = DEFAULT_POLICY):
     """Chunked form for prefill; see :func:`naive_chunk_gated_delta_rule` for shapes."""
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunk_size)
     if implementation in (TRITON, TRITON_INTERPRET):
         if _triton_shapes_ok(q.shape[-1], v.shape[-1]) and chunk_size in (16, 32, 64):
             from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
 
-            return chunk_gated_delta_rule_triton(*args, interpret=interpret_arg(implementation))
+            return chunk_gated_delta_rule_triton(*args, tiles=policy.gdn_chunk_tiles(),
+                                                 interpret=interpret_arg(implementation))
         implementation = "xla"
     if implementation in (MOSAIC_TPU, MOSAIC_TPU_INTERPRET):
         from jaxmtp.pallas.gated_delta_rule.chunk_tpu import chunk_gated_delta_rule_tpu

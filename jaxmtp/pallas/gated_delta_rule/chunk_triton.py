@@ -1,16 +1,18 @@
 """Chunked gated delta rule for GPU (Pallas, Triton lowering): prefill.
 
-Two launches, following the WY/UT form of :func:`naive_chunk_gated_delta_rule` (C = chunk size, BC = 16):
+Three launches, following the WY/UT form of :func:`naive_chunk_gated_delta_rule` (C = chunk size, BC = 16), laid
+out as flash-linear-attention's: only the two state products stay on the sequential path.
 
 1. ``prep``, grid ``(B, N, Hv)``, every chunk in parallel. The chunk is cut into C/BC sub-chunks so that every
    matrix stays a register tile: ``A = strict_lower(diag(beta) K K^T * D)`` block by block, ``(I + A)^-1`` by forward
    substitution on the BC x BC diagonal blocks and block merges below them (float32), then
-   ``U = (I + A)^-1 diag(beta) V``, ``W = (I + A)^-1 diag(beta e^gamma) K`` and the intra-chunk read-out matrix
-   ``Aqk = lower_incl(Q K^T * D)``. Outputs ``w [B, Tp, Hv, dk]``, ``u [B, Tp, Hv, dv]``, ``aqk [B, Tp, Hv, C]`` in the
-   work dtype (the inputs' 16-bit dtype, else float32).
-2. ``scan``, grid ``(B, Hv, dv / BV)``, sequential over chunks with the ``[dk, BV]`` float32 state in registers:
-   ``V_new = U - W S``; ``O = (Q e^gamma) S + Aqk V_new``; ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``.
-   The read-out is fused into the scan, so no per-chunk state is written to memory.
+   ``U = (I + A)^-1 diag(beta) V`` and ``W = (I + A)^-1 diag(beta e^gamma) K``: ``w [B, Tp, Hv, dk]``,
+   ``u [B, Tp, Hv, dv]`` in the work dtype (the inputs' 16-bit dtype, else float32).
+2. ``states``, grid ``(B, Hv, dv / BV)``, sequential over chunks with the ``[dk, BV]`` float32 state ``S`` in
+   registers: it stores ``S`` as it enters each chunk (``[B, Hv, N, dk, dv]``) and ``V_new = U - W S``
+   (``[B, Tp, Hv, dv]``), both in the work dtype, then ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``.
+3. ``output``, grid ``(B, N, Hv, dv / BV')``, every program independent:
+   ``O = (Q e^gamma) S_n + lower_incl(Q K^T * D) V_new``.
 
 Matmul operands are rounded to the work dtype with float32 accumulation (as flash-linear-attention does); the
 state, gates, decays and the triangular inverse stay float32. T is padded to a multiple of C with g = beta = 0.
@@ -18,6 +20,7 @@ state, gates, decays and the triangular inverse stay float32. T is padded to a m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,20 +34,23 @@ from jaxmtp.pallas._common import l2norm_rows, mm, pad_to_chunks, work_dtype
 _BC = 16  # sub-chunk: the smallest matmul tile
 
 
-def _inv_unit_lower(a, n):
-    """``(I + a)^-1`` for a strictly lower-triangular ``[n, n]`` float32 tile, by forward substitution over rows."""
+def _inv_unit_lower(a, n, interpret):
+    """``(I + a)^-1`` for a strictly lower-triangular ``[n, n]`` float32 tile (n a power of two): ``a`` is nilpotent
+    (``a^n = 0``), so the inverse is the finite product ``(I - a)(I + a^2)(I + a^4)...(I + a^(n/2))``, 2 log2(n) - 2
+    float32 products instead of n dependent row steps."""
     ri = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     ci = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    x = (ri == ci).astype(jnp.float32)
-    for i in range(1, n):
-        a_i = jnp.sum(jnp.where(ri == i, a, 0.0), axis=0)  # row i of a, indexed by column
-        x = jnp.where(ri == i, x - jnp.sum(a_i[:, None] * x, axis=0)[None, :], x)
+    x = (ri == ci).astype(jnp.float32) - a
+    p = a
+    for _ in range(n.bit_length() - 2):
+        p = mm(p, p, dtype=jnp.float32, interpret=interpret)
+        x = x + mm(x, p, dtype=jnp.float32, interpret=interpret)
     return x
 
 
-def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, scale, l2norm, wd, interpret):
+def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale, l2norm, wd, interpret):
     f32 = jnp.float32
-    nb = q_ref.shape[0] // _BC
+    nb = k_ref.shape[0] // _BC
     mmw = functools.partial(mm, dtype=wd, interpret=interpret)
     mmf = functools.partial(mm, dtype=f32, interpret=interpret)
     rows = [slice(i * _BC, (i + 1) * _BC) for i in range(nb)]
@@ -52,11 +58,11 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, scal
     kn, qn, gam, bet = [], [], [], []
     offset = jnp.zeros((), f32)
     for sl in rows:
-        kk, qq = k_ref[sl, :].astype(f32), q_ref[sl, :].astype(f32)
-        if l2norm:
-            kk, qq = l2norm_rows(kk), l2norm_rows(qq)
-        kn.append(kk)
-        qn.append(qq * scale)
+        kk = k_ref[sl, :].astype(f32)
+        kn.append(l2norm_rows(kk) if l2norm else kk)
+        if a_ref:
+            qq = q_ref[sl, :].astype(f32)
+            qn.append((l2norm_rows(qq) if l2norm else qq) * scale)
         g_i = g_ref[sl].astype(f32)
         gam.append(jnp.cumsum(g_i) + offset)  # chunk-local cumulative log-decay
         offset = offset + jnp.sum(g_i)
@@ -69,7 +75,8 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, scal
         kb_i = kn[i] * bet[i][:, None]
         for j in range(nb):
             if j > i:
-                a_ref[rows[i], rows[j]] = jnp.zeros((_BC, _BC), a_ref.dtype)
+                if a_ref:
+                    a_ref[0][rows[i], rows[j]] = jnp.zeros((_BC, _BC), a_ref[0].dtype)
                 continue
             diff = gam[i][:, None] - gam[j][None, :]
             if i == j:  # exp only where i >= j: above the diagonal the exponent is positive and may overflow
@@ -78,12 +85,13 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, scal
             else:
                 d_strict = d_incl = jnp.exp(diff)
             amat[i, j] = mmw(kb_i, kn[j], tb=True) * d_strict
-            a_ref[rows[i], rows[j]] = (mmw(qn[i], kn[j], tb=True) * d_incl).astype(a_ref.dtype)
+            if a_ref:
+                a_ref[0][rows[i], rows[j]] = (mmw(qn[i], kn[j], tb=True) * d_incl).astype(a_ref[0].dtype)
 
     # (I + A)^-1 by blocks: diagonal blocks by substitution, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj.
     tm = {}
     for i in range(nb):
-        tm[i, i] = _inv_unit_lower(amat[i, i], _BC)
+        tm[i, i] = _inv_unit_lower(amat[i, i], _BC, interpret)
         for j in range(i - 1, -1, -1):
             acc = mmf(amat[i, j], tm[j, j])
             for m in range(j + 1, i):
@@ -101,6 +109,8 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, scal
 
 def _scan_kernel(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, *rest, n_chunks, c, scale, l2norm, has_init, final,
                  wd, interpret):
+    """The state pass with the read-out fused in (``fused_readout``): per chunk ``V_new = U - W S``,
+    ``O = (Q e^gamma) S + Aqk V_new``, then the state update; no per-chunk state goes to memory."""
     f32 = jnp.float32
     rest = list(rest)
     h0_ref = rest.pop(0) if has_init else None
@@ -127,13 +137,75 @@ def _scan_kernel(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, *rest, n_chunks, c, s
         ht_ref[0][...] = s
 
 
+def _state_kernel(k_ref, w_ref, u_ref, g_ref, *rest, n_chunks, c, l2norm, has_init, final, wd, interpret):
+    """Sequential over chunks, the ``[dk, BV]`` float32 state slice in registers: stores the state entering each chunk
+    (rounded to the work dtype, as the read-out uses it) and ``V_new = U - W S``, then updates the state."""
+    f32 = jnp.float32
+    rest = list(rest)
+    h0_ref = rest.pop(0) if has_init else None
+    h_ref, vn_ref, *ht_ref = rest
+    dk, bv = k_ref.shape[-1], u_ref.shape[-1]
+    mmw = functools.partial(mm, dtype=wd, interpret=interpret)
+
+    def body(n, s):
+        sl = pl.ds(pl.multiple_of(n * c, c), c)
+        g_c = g_ref[sl].astype(f32)
+        gam, g_last = jnp.cumsum(g_c), jnp.sum(g_c)
+        kk = k_ref[sl, :].astype(f32)
+        if l2norm:
+            kk = l2norm_rows(kk)
+        sw = s.astype(wd)
+        h_ref[n] = sw.astype(h_ref.dtype)
+        v_new = u_ref[sl, :].astype(f32) - mmw(w_ref[sl, :], sw)
+        vn_ref[sl, :] = v_new.astype(vn_ref.dtype)
+        return s * jnp.exp(g_last) + mmw(kk * jnp.exp(g_last - gam)[:, None], v_new, ta=True)
+
+    s0 = h0_ref[...].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
+    s = lax.fori_loop(0, n_chunks, body, s0)
+    if final:
+        ht_ref[0][...] = s
+
+
+def _output_kernel(q_ref, k_ref, h_ref, vn_ref, g_ref, o_ref, *, scale, l2norm, wd, interpret):
+    """One chunk's read-out for a ``BV`` slice: ``O = (Q e^gamma) S_n + (lower_incl(Q K^T * D)) V_new``."""
+    f32 = jnp.float32
+    mmw = functools.partial(mm, dtype=wd, interpret=interpret)
+    c = q_ref.shape[0]
+    gam = jnp.cumsum(g_ref[...].astype(f32))
+    qq, kk = q_ref[...].astype(f32), k_ref[...].astype(f32)
+    if l2norm:
+        qq, kk = l2norm_rows(qq), l2norm_rows(kk)
+    qq = qq * scale
+    ri = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    decay = jnp.where(ri >= ci, jnp.exp(jnp.where(ri >= ci, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    aqk = (mmw(qq, kk, tb=True) * decay).astype(wd)
+    o = mmw(qq * jnp.exp(gam)[:, None], h_ref[...]) + mmw(aqk, vn_ref[...])
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTiles:
+    """Launch parameters: ``fused_readout`` runs the read-out inside the sequential pass (two launches: ``prep``
+    also writes ``Aqk``) instead of in its own parallel launch (three); ``block_v`` (BV) is the dv slice of a
+    sequential-pass program (programs ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program."""
+
+    fused_readout: bool = True
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    out_block_v: int = 64
+    out_num_warps: int = 4
+    prep_num_warps: int = 4
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size",
-                                             "block_v", "num_warps", "num_warps_prep", "num_stages", "interpret"))
+                                             "tiles", "interpret"))
 def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=False, chunk_size=64, *, block_v=None, num_warps=None,
-                                  num_warps_prep=None, num_stages=None, interpret=False):
-    """Same contract as :func:`naive_chunk_gated_delta_rule`. ``chunk_size`` in {16, 32, 64}; ``block_v`` (BV)
-    splits dv across programs of the scan."""
+                                  use_qk_l2norm_in_kernel=False, chunk_size=64, *, tiles: ChunkTiles = ChunkTiles(),
+                                  interpret=False):
+    """Same contract as :func:`naive_chunk_gated_delta_rule`. ``chunk_size`` in {16, 32, 64}; ``tiles``: the launch
+    parameters (:class:`ChunkTiles`; a BV larger than dv is clipped to dv)."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
     if hv % hk:
@@ -142,7 +214,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     if c not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, not {c}")
     r = hv // hk
-    bv = min(block_v or 32, dv)
+    bv, bvo = min(tiles.block_v, dv), min(tiles.out_block_v, dv)
     scale = dk**-0.5 if scale is None else scale
     wd = work_dtype(q.dtype)
     q, k, v, g, beta, pad = pad_to_chunks(c, q, k, v, g, beta)
@@ -151,46 +223,81 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
 
     chunk = lambda d, head: pl.BlockSpec((None, c, None, d), lambda bi, ni, h: (bi, ni, head(h), 0))  # noqa: E731
     same, shared = (lambda h: h), (lambda h: h // r)
-    w, u, aqk = pl.pallas_call(
+    fused = tiles.fused_readout
+    prep_out = [jax.ShapeDtypeStruct((b, tp, hv, dk), wd), jax.ShapeDtypeStruct((b, tp, hv, dv), wd)]
+    prep_specs = [chunk(dk, same), chunk(dv, same)]
+    if fused:
+        prep_out.append(jax.ShapeDtypeStruct((b, tp, hv, c), wd))
+        prep_specs.append(chunk(c, same))
+    w, u, *aqk = pl.pallas_call(
         functools.partial(_prep_kernel, scale=float(scale), l2norm=use_qk_l2norm_in_kernel, wd=wd,
                           interpret=bool(interpret)),
-        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dk), wd), jax.ShapeDtypeStruct((b, tp, hv, dv), wd),
-                   jax.ShapeDtypeStruct((b, tp, hv, c), wd)],
+        out_shape=prep_out,
         grid=(b, n, hv),
         in_specs=[chunk(dk, shared), chunk(dk, shared), chunk(dv, same),
                   pl.BlockSpec((None, c, None), lambda bi, ni, h: (bi, ni, h)),
                   pl.BlockSpec((None, c, None), lambda bi, ni, h: (bi, ni, h))],
-        out_specs=[chunk(dk, same), chunk(dv, same), chunk(c, same)],
-        compiler_params=pltr.CompilerParams(num_warps=num_warps_prep or 4, num_stages=1),
+        out_specs=prep_specs,
+        compiler_params=pltr.CompilerParams(num_warps=tiles.prep_num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_chunk_prep",
     )(q, k, v, g, beta)
 
+    # sequential pass: grid (B, Hv, dv / BV)
     has_init = initial_state is not None
     seq = lambda d, head, col=False: pl.BlockSpec(  # noqa: E731
         (None, tp, None, d), lambda bi, h, iv: (bi, 0, head(h), iv if col else 0))
     state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, h, iv: (bi, h, 0, iv))
-    in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True), seq(c, same),
-                pl.BlockSpec((None, tp, None), lambda bi, h, iv: (bi, 0, h))]
-    args = [q, k, w, u, aqk, g]
+    g_spec = pl.BlockSpec((None, tp, None), lambda bi, h, iv: (bi, 0, h))
+    if fused:
+        in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True), seq(c, same), g_spec]
+        args = [q, k, w, u, aqk[0], g]
+        out_shape = [jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype)]
+        out_specs = [seq(bv, same, True)]
+        kernel = functools.partial(_scan_kernel, n_chunks=n, c=c, scale=float(scale), l2norm=use_qk_l2norm_in_kernel,
+                                   has_init=has_init, final=output_final_state, wd=wd, interpret=bool(interpret))
+    else:
+        in_specs = [seq(dk, shared), seq(dk, same), seq(bv, same, True), g_spec]
+        args = [k, w, u, g]
+        out_shape = [jax.ShapeDtypeStruct((b, hv, n, dk, dv), wd), jax.ShapeDtypeStruct((b, tp, hv, dv), wd)]
+        out_specs = [pl.BlockSpec((None, None, n, dk, bv), lambda bi, h, iv: (bi, h, 0, 0, iv)),
+                     seq(bv, same, True)]
+        kernel = functools.partial(_state_kernel, n_chunks=n, c=c, l2norm=use_qk_l2norm_in_kernel, has_init=has_init,
+                                   final=output_final_state, wd=wd, interpret=bool(interpret))
     if has_init:
         in_specs.append(state_spec)
         args.append(initial_state.astype(jnp.float32))
-    out_shape = [jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype)]
-    out_specs = [seq(bv, same, True)]
     if output_final_state:
         out_shape.append(jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32))
         out_specs.append(state_spec)
     outs = pl.pallas_call(
-        functools.partial(_scan_kernel, n_chunks=n, c=c, scale=float(scale), l2norm=use_qk_l2norm_in_kernel,
-                          has_init=has_init, final=output_final_state, wd=wd, interpret=bool(interpret)),
+        kernel,
         out_shape=out_shape,
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 3),
+        compiler_params=pltr.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="gdn_chunk_scan",
+        name="gdn_chunk_scan" if fused else "gdn_chunk_states",
     )(*args)
-    o = outs[0][:, :t] if pad else outs[0]
-    return o, (outs[1] if output_final_state else None)
+    final = outs[-1] if output_final_state else None
+    if fused:
+        o = outs[0]
+    else:  # read-out: grid (B, N, Hv, dv / BV'), every program independent
+        states, v_new = outs[:2]
+        col = lambda d: pl.BlockSpec((None, c, None, d), lambda bi, ni, h, iv: (bi, ni, h, iv))  # noqa: E731
+        key = pl.BlockSpec((None, c, None, dk), lambda bi, ni, h, iv: (bi, ni, h // r, 0))
+        o = pl.pallas_call(
+            functools.partial(_output_kernel, scale=float(scale), l2norm=use_qk_l2norm_in_kernel, wd=wd,
+                              interpret=bool(interpret)),
+            out_shape=jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype),
+            grid=(b, n, hv, dv // bvo),
+            in_specs=[key, key, pl.BlockSpec((None, None, None, dk, bvo), lambda bi, ni, h, iv: (bi, h, ni, 0, iv)),
+                      col(bvo), pl.BlockSpec((None, c, None), lambda bi, ni, h, iv: (bi, ni, h))],
+            out_specs=col(bvo),
+            compiler_params=pltr.CompilerParams(num_warps=tiles.out_num_warps, num_stages=2),
+            interpret=interpret,
+            name="gdn_chunk_output",
+        )(q, k, states, v_new, g)
+    o = o[:, :t] if pad else o
+    return o, final
