@@ -25,8 +25,8 @@ Design (docs/engine.md, "Parallelism"):
   (rank-major, matching the fused projection), recurrent states on the value-head axis; per-slot fields replicated.
 
 * Data parallelism: the mesh is ``("dp", "tp")``; DP replicas hold the same weights and an equal share of the
-  engine's slots (every per-slot field split over ``"dp"``); a prefill chunk's rows run on every replica, each
-  keeping its own slots' rows (:func:`data_parallel_prefill`).
+  engine's slots (every per-slot field split over ``"dp"``); a prefill chunk's rows are split over ``"dp"`` too,
+  each replica's block holding its own slots' requests (:func:`data_parallel_prefill`).
 """
 
 from __future__ import annotations
@@ -315,18 +315,15 @@ def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = 
 
 
 def data_parallel_prefill(fn: Callable) -> Callable:
-    """:func:`jaxmtp.engine.steps.prefill_chunk` on one DP replica, whose state holds slots ``[d n, (d+1) n)``: the
-    rows of other replicas' slots run too and are dropped (their ids out of range), and each row's outputs (first
-    token, finished, reason, its packed log-probabilities) come from the replica that holds its slot."""
+    """:func:`jaxmtp.engine.steps.prefill_chunk` on one DP replica, whose state holds slots ``[d n, (d+1) n)``, over
+    its own block of the call's rows (the engine puts each request in its slot's replica's block; the rows are
+    sharded over ``dp``): slot ids become local, and a padding row (slot id past every replica's) touches nothing."""
 
     def local(params, state, slots, *rest):
         n = state.length.shape[0]
         lo = jax.lax.axis_index(DP) * n
         mine = (slots >= lo) & (slots < lo + n)
-        state, *outs = fn(params, state, jnp.where(mine, slots - lo, jnp.iinfo(jnp.int32).max), *rest)
-        merged = [jax.lax.psum(jnp.where(mine.reshape(mine.shape + (1,) * (o.ndim - 1)), o, 0).astype(jnp.int32),
-                               DP).astype(o.dtype) for o in outs]
-        return (state, *merged)
+        return fn(params, state, jnp.where(mine, slots - lo, jnp.iinfo(jnp.int32).max), *rest)
 
     return local
 

@@ -41,9 +41,13 @@ def _load(path, tp=1, reduce="psum"):
     return jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, tensor_parallel_reduce=reduce)
 
 
-def _run(model, prompts, k, params, state=True):
-    """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None)."""
+def _run(model, prompts, k, params, state=True, prefill_slots=None):
+    """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None).
+    ``prefill_slots``: a list that receives each prefill call's slot ids."""
     eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16)
+    if prefill_slots is not None:
+        prefill = eng._prefill
+        eng._prefill = lambda *a: (prefill_slots.append(np.asarray(a[2])), prefill(*a))[1]
     ids = [eng.add_request(p, prm) for p, prm in zip(prompts, params)]
     reqs = [eng._by_id[i] for i in ids]
     out = {i: [] for i in ids}
@@ -355,14 +359,40 @@ def test_sharded_params_are_not_exported_as_a_checkpoint(wide):
 @pytest.mark.parametrize("kind,tp,k", [("dense", 2, 3), pytest.param("moe", 1, 2, marks=pytest.mark.slow)])
 def test_data_parallel_replicas_match_one_device(wide, kind, tp, k, rng):
     """DP 2 (x TP 2, and x TP 1): each replica holds half the slots; greedy and seeded requests spread over both
-    emit one device's tokens, and the carries (slot i of the global state on replica i // (slots / 2)) agree."""
+    emit one device's tokens, and the carries (slot i of the global state on replica i // (slots / 2)) agree. Each
+    prefill call gives every replica a block of rows holding only its own slots' requests; a request on the second
+    replica gets one device's prompt log-probabilities."""
     path = wide(kind)
     prompts = _prompts(rng, 4, 128)
-    want, ref = _run(_load(path), prompts, k, _params(4))
+    one = _load(path)
+    want, ref = _run(one, prompts, k, _params(4))
     m = jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, data_parallel_size=2)
     assert m.layout.dp == 2 and m.layout.mesh.devices.shape == (2, tp)
-    got, state = _run(m, prompts, k, _params(4))
+    calls = []
+    got, state = _run(m, prompts, k, _params(4), prefill_slots=calls)
     assert got == want
+    assert calls and all(c.size == 4 for c in calls), [c.tolist() for c in calls]  # 2 rows per replica, not 4
+    for c in calls:
+        for d, block in enumerate(c.reshape(2, 2)):
+            assert all(s // 2 == d for s in block if s < 4), c.tolist()
+    lp = [SamplingParams(max_new_tokens=3, ignore_eos=True),
+          SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2)]
+    outs = {}
+    for model in (one, m):
+        eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, prefill_chunk=16)
+        ids = [eng.add_request(p, prm) for p, prm in zip(prompts[:2], lp)]
+        req, got_lps = eng._by_id[ids[1]], None
+        while eng.has_work():
+            out = eng.step()
+            assert model is one or req.slot // 2 == 1  # admitted on the second replica
+            for o in out:
+                if o.request_id == ids[1] and o.prompt_logprobs is not None:
+                    got_lps = o.prompt_logprobs
+        outs[model is m] = got_lps
+    assert len(outs[True]) == len(prompts[1]) and outs[True][0] is None
+    for a, b in zip(outs[False][1:], outs[True][1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4, (a, b)
+        np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], atol=1e-4)
     for name in ("carry", "mtp_carry"):
         ours = _one_device_carry(getattr(state, name), m.config, tp)
         theirs = [(c.conv, c.state) if hasattr(c, "conv") else (c.k, c.v) for c in getattr(ref, name)]

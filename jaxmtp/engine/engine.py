@@ -170,7 +170,7 @@ class Engine:
             XLA path at larger slot counts; 0 without an MTP head).
         prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...).
         steps_per_sync: speculative steps per device loop before the host reads tokens.
-        max_prefill_batch: prompts prefilled together in one call.
+        max_prefill_batch: prompts prefilled together in one call (under data parallelism: per replica).
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
             slot, each prefix compiled once (``warmup`` compiles them all); False: always all slots.
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.steps.Oracle` drafts with this
@@ -269,9 +269,11 @@ class Engine:
             fn = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
                                    prompt_logprobs=prompt_logprobs)
             if layout is not None:
-                if dp > 1:
-                    fn = data_parallel_prefill(fn)
-                fn = layout.shard_map(fn, (s_spec,) + (rep,) * 5, (s_spec,) + (rep,) * (5 if prompt_logprobs else 4))
+                rows = rep
+                if dp > 1:  # each replica prefills its own block of rows
+                    fn, rows = data_parallel_prefill(fn), P(DP)
+                fn = layout.shard_map(fn, (s_spec,) + (rows,) * 5,
+                                      (s_spec,) + (rows,) * (5 if prompt_logprobs else 4))
             return jax.jit(counted(name, fn), donate_argnums=1)
 
         self._prefill = prefill_fn("prefill", False)
@@ -671,20 +673,28 @@ class Engine:
         pending = [r for r in pending if r.params.prompt_logprobs is None]
         completed = False
         batch = self._prefill_rows_limit()
-        groups = [pending[i : i + batch] for i in range(0, len(pending), batch)] + [[r] for r in alone]
+        if self.data_parallel > 1:  # up to `batch` rows per replica in each call
+            per = self.num_slots // self.data_parallel
+            mine = [[r for r in pending if r.slot // per == d] for d in range(self.data_parallel)]
+            calls = max(-(-len(m) // batch) for m in mine)
+            groups = [[r for m in mine for r in m[i * batch : (i + 1) * batch]] for i in range(calls)]
+        else:
+            groups = [pending[i : i + batch] for i in range(0, len(pending), batch)]
+        groups += [[r] for r in alone]
         for group in groups:
             completed |= self._prefill_group(group, outputs)
         self._fork_samples()
         return completed
 
-    def _add_prompt_logprobs(self, r: _Request, lps, end: int) -> None:
-        """Record the prompt log-probabilities of a chunk of ``r`` that ended at ``end``: position p's are those of
-        prompt token p + 1 (the last prompt position's belong to the first output token, not kept)."""
+    def _add_prompt_logprobs(self, r: _Request, lps, end: int, row: int) -> None:
+        """Record the prompt log-probabilities of a chunk of ``r`` (prefill row ``row``) that ended at ``end``:
+        position p's are those of prompt token p + 1 (the last prompt position's belong to the first output token,
+        not kept)."""
         if r.prompt_lps is None:
             r.prompt_lps = [None]  # the first prompt token follows nothing
         start = len(r.prompt_lps) - 1
         ids = [int(t) for t in r.prompt[start + 1 : min(end + 1, r.prompt.size)]]
-        r.prompt_lps += _token_logprobs(lps, (0,), ids, r.params.prompt_logprobs)
+        r.prompt_lps += _token_logprobs(lps, (row,), ids, r.params.prompt_logprobs)
 
     def _prefill_end(self, r: _Request) -> int:
         """How far ``r``'s prompt prefills now: all of it; for the first of n samples while the others wait, all
@@ -723,15 +733,23 @@ class Engine:
 
     def _prefill_group(self, group, outputs):
         limit = {id(r): self._prefill_end(r) for r in group}
-        rows, chunk = self._prefill_shape(len(group), max(min(self.prefill_chunk, limit[id(r)] - r.prefilled)
-                                                          for r in group))
+        # under data parallelism each replica takes a block of `rows` rows, its requests first
+        dp, per = self.data_parallel, self.num_slots // self.data_parallel
+        replica = [r.slot // per if dp > 1 else 0 for r in group]
+        rows, chunk = self._prefill_shape(max(collections.Counter(replica).values()),
+                                          max(min(self.prefill_chunk, limit[id(r)] - r.prefilled) for r in group))
+        row_of, taken = [], collections.Counter()
+        for d in replica:
+            row_of.append(d * rows + taken[d])
+            taken[d] += 1
+        rows *= dp
         slots = np.full((rows,), self.num_slots, np.int32)
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
         nxt = np.zeros((rows, chunk), np.int32)
         final = np.zeros((rows,), bool)
         ends = []
-        for i, r in enumerate(group):
+        for i, r in zip(row_of, group):
             start = r.prefilled
             n = min(chunk, limit[id(r)] - start)
             if self.prefix_cache is not None and start % self.prefix_cache.granularity:  # resumed off the grid
@@ -748,11 +766,11 @@ class Engine:
         args = (self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
         if group[0].params.prompt_logprobs is not None:  # a group of one (_prefill_once)
             self.state, first, finished, reason, logprobs, prompt_lps = self._prefill_lp(*args)
-            self._add_prompt_logprobs(group[0], steps.unpack_logprobs(np.asarray(prompt_lps)), ends[0])
+            self._add_prompt_logprobs(group[0], steps.unpack_logprobs(np.asarray(prompt_lps)), ends[0], row_of[0])
         else:
             self.state, first, finished, reason, logprobs = self._prefill(*args)
         if self.prefix_cache is not None:
-            for r, end, fin in zip(group, ends, final):
+            for r, end, fin in zip(group, ends, final[row_of]):
                 if not fin and end % self.prefix_cache.granularity == 0:
                     self._publish_prefix(r, end)
         if not final.any():
@@ -762,7 +780,7 @@ class Engine:
             lps = steps.unpack_logprobs(np.asarray(logprobs))
         now = time.perf_counter()
         done_slots = []
-        for i, r in enumerate(group):
+        for i, r in zip(row_of, group):
             if not final[i]:
                 continue
             r.first_token_time = now
@@ -822,7 +840,8 @@ class Engine:
             chunk = 16
             while True:
                 key = _warmup.prefill_key(rows, chunk)
-                ex[key] = _warmup.Executable(key, self._prefill, _warmup.prefill_args(rows, chunk, self.num_slots))
+                ex[key] = _warmup.Executable(key, self._prefill, _warmup.prefill_args(rows * self.data_parallel,
+                                                                                         chunk, self.num_slots))
                 if chunk >= self.prefill_chunk:
                     break
                 chunk = self._chunk_bucket(chunk + 1)
