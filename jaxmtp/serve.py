@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per request, prompt + output (default min(8192, the model's maximum))")
     g.add_argument("--prefill-chunk", type=int, default=256, help="largest prompt chunk per prefill call")
     g.add_argument("--steps-per-sync", type=int, default=8, help="speculative steps per device loop")
-    g.add_argument("--max-prefill-batch", type=int, default=None, help="prompts prefilled together (per data-parallel replica)")
+    g.add_argument("--max-prefill-batch", type=int, default=None,
+                   help="prompts prefilled together (per data-parallel replica)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching",
                    action="store_false", help="turn the prefix cache off (default on: a prompt that begins with an "
                    "earlier prompt's prefix resumes after it, same tokens; docs/engine.md, \"Prefix caching\")")
