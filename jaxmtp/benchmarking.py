@@ -291,14 +291,14 @@ def hlo_sources(text: str, depth: int = 4) -> dict[str, str]:
     return out
 
 
-def device_seconds(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 << 20) -> float:
-    """Device time of one call of ``fn(*args)`` from a profiler trace: kernel durations, not host wall clock.
+def device_kernels(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 << 20) -> tuple[list[dict], float]:
+    """The device's kernel events of ``calls`` chained calls of ``fn(*args)`` from a profiler trace, and the wall
+    seconds of the traced run.
 
     Jits ``calls`` chained calls (``chain(args, previous_output) -> next args``, the output passed through an
     optimization barrier so that calls cannot merge; the inputs rotate over copies of at least ``min_set_bytes`` in
-    all, so that weights come from HBM, not L2), runs it once to compile, then once under ``jax.profiler``, and
-    returns the union of the device's kernel intervals over ``calls``. Launch gaps are excluded; the chain op is
-    included. Without device streams (a CPU) it returns wall time over ``calls``."""
+    all, so that weights come from HBM, not L2), runs it once to compile, then once under ``jax.profiler``. Without
+    device streams (a CPU) the event list is empty."""
     set_bytes = sum(a.size * a.dtype.itemsize for a in args if a is not None)
     n_sets = max(1, min(calls, -(-min_set_bytes // max(set_bytes, 1))))
     sets = [tuple(args)] + [tuple(None if a is None else jnp.copy(a) for a in args) for _ in range(n_sets - 1)]
@@ -318,7 +318,14 @@ def device_seconds(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 <
         wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
         groups = read_trace(d)
-    kernels = [e for (p, t), evs in groups.items() if is_device_stream(p, t) for e in evs]
+    return [e for (p, t), evs in groups.items() if is_device_stream(p, t) for e in evs], wall
+
+
+def device_seconds(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 << 20) -> float:
+    """Device time of one call of ``fn(*args)``: the union of the kernel intervals of :func:`device_kernels` over
+    ``calls`` (launch gaps excluded, the chain op included); without device streams (a CPU) wall time over
+    ``calls``."""
+    kernels, wall = device_kernels(fn, *args, chain=chain, calls=calls, min_set_bytes=min_set_bytes)
     if not kernels:
         return wall / calls
     return covered_time((e["ts"], e["ts"] + e["dur"]) for e in kernels) * 1e-6 / calls

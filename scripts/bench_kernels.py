@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxmtp.benchmarking import device_seconds  # noqa: E402
+from jaxmtp.benchmarking import device_kernels, device_seconds  # noqa: E402
 from jaxmtp.pallas.attention import attention_reference  # noqa: E402
 from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
@@ -540,30 +540,9 @@ def chunk_tiles(spec, b, hv, d):
 
 def kernel_breakdown(fn, *args, chain, calls=8):
     """Device microseconds per call of each kernel name in a profiler trace of ``calls`` chained calls."""
-    import tempfile
-
-    from jaxmtp.benchmarking import is_device_stream, read_trace
-
-    sets = [tuple(args)] + [tuple(_fresh(a) for a in args) for _ in range(3)]
-
-    @jax.jit
-    def loop(all_sets):
-        out = fn(*all_sets[0])
-        for i in range(1, calls):
-            out = fn(*chain(all_sets[i % len(all_sets)], jax.lax.optimization_barrier(out)))
-        return out
-
-    jax.block_until_ready(loop(sets))
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        jax.block_until_ready(loop(sets))
-        jax.profiler.stop_trace()
-        groups = read_trace(tmp)
     per = collections.defaultdict(float)
-    for (p, t), evs in groups.items():
-        if is_device_stream(p, t):
-            for e in evs:
-                per[e.get("name", "?")] += e["dur"] / calls
+    for e in device_kernels(fn, *args, chain=chain, calls=calls)[0]:
+        per[e.get("name", "?")] += e["dur"] / calls
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 

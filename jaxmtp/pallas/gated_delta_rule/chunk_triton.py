@@ -1,19 +1,21 @@
 """Chunked gated delta rule for GPU (Pallas, Triton lowering): prefill.
 
-Three launches, following the WY/UT form of :func:`naive_chunk_gated_delta_rule` (C = chunk size, BC = 16), laid
-out as flash-linear-attention's: only the two state products stay on the sequential path.
+Two or three launches, following the WY/UT form of :func:`naive_chunk_gated_delta_rule` (C = chunk size, BC = 16):
 
 1. ``prep``, grid ``(B, N, Hv)``, every chunk in parallel. The chunk is cut into C/BC sub-chunks so that every
-   matrix stays a register tile: ``A = strict_lower(diag(beta) K K^T * D)`` block by block, ``(I + A)^-1`` by forward
-   substitution on the BC x BC diagonal blocks and block merges below them (float32), then
-   ``U = (I + A)^-1 diag(beta) V`` and ``W = (I + A)^-1 diag(beta e^gamma) K``: ``w [B, Tp, Hv, dk]``,
-   ``u [B, Tp, Hv, dv]`` in the work dtype (the inputs' 16-bit dtype, else float32).
-2. ``states``, grid ``(B, Hv, dv / BV)``, sequential over chunks with the ``[dk, BV]`` float32 state ``S`` in
-   registers: it stores ``S`` as it enters each chunk (``[B, Hv, N, dk, dv]``) and ``V_new = U - W S``
-   (``[B, Tp, Hv, dv]``), both in the work dtype, then ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``.
-3. ``output``, grid ``(B, N, Hv, dv / BV')``, every program independent:
+   matrix stays a register tile: ``A = strict_lower(diag(beta) K K^T * D)`` block by block, ``(I + A)^-1`` from the
+   inverses of the BC x BC diagonal blocks (a nilpotent product, :func:`_inv_unit_lower`) and block merges below them
+   (float32), then ``U = (I + A)^-1 diag(beta) V`` and ``W = (I + A)^-1 diag(beta e^gamma) K``: ``w [B, Tp, Hv, dk]``,
+   ``u [B, Tp, Hv, dv]`` in the work dtype (the inputs' 16-bit dtype, else float32); with the fused read-out also
+   ``Aqk = lower_incl(Q K^T * D)`` ``[B, Tp, Hv, C]``.
+2. the sequential pass, grid ``(B, Hv, dv / BV)``, over chunks with the ``[dk, BV]`` float32 state ``S`` in
+   registers: ``V_new = U - W S``, ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``. With ``fused_readout``
+   (the default) it also writes ``O = (Q e^gamma) S + Aqk V_new``; otherwise, as flash-linear-attention lays it out,
+   it stores ``S`` as it enters each chunk (``[B, Hv, N, dk, dv]``) and ``V_new``, both in the work dtype, and
+3. ``output``, grid ``(B, N, Hv, dv / BV')``, every program independent, reads out
    ``O = (Q e^gamma) S_n + lower_incl(Q K^T * D) V_new``.
 
+Both forms give the same numbers: the read-out rounds the state to the work dtype either way.
 Matmul operands are rounded to the work dtype with float32 accumulation (as flash-linear-attention does); the
 state, gates, decays and the triangular inverse stay float32. T is padded to a multiple of C with g = beta = 0.
 """
@@ -107,43 +109,21 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale,
         w_ref[rows[i], :] = w.astype(w_ref.dtype)
 
 
-def _scan_kernel(q_ref, k_ref, w_ref, u_ref, a_ref, g_ref, *rest, n_chunks, c, scale, l2norm, has_init, final,
-                 wd, interpret):
-    """The state pass with the read-out fused in (``fused_readout``): per chunk ``V_new = U - W S``,
-    ``O = (Q e^gamma) S + Aqk V_new``, then the state update; no per-chunk state goes to memory."""
+def _sequential_kernel(*refs, fused, n_chunks, c, scale, l2norm, has_init, final, wd, interpret):
+    """Sequential over chunks, the ``[dk, BV]`` float32 state slice ``S`` in registers; per chunk
+    ``V_new = U - W S``, then ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``. ``fused``: refs
+    ``q, k, w, u, aqk, g[, h0], o[, ht]``, the read-out ``O = (Q e^gamma) S + Aqk V_new`` written here (no per-chunk
+    state goes to memory); else refs ``k, w, u, g[, h0], h, v_new[, ht]``: it stores ``S`` as it enters each chunk
+    (rounded to the work dtype, as the read-out uses it) and ``V_new`` for the read-out launch."""
     f32 = jnp.float32
-    rest = list(rest)
+    refs = list(refs)
+    q_ref = refs.pop(0) if fused else None
+    k_ref, w_ref, u_ref = refs[:3]
+    a_ref = refs.pop(3) if fused else None
+    g_ref = refs[3]
+    rest = refs[4:]
     h0_ref = rest.pop(0) if has_init else None
-    o_ref, *ht_ref = rest
-    dk, bv = q_ref.shape[-1], u_ref.shape[-1]
-    mmw = functools.partial(mm, dtype=wd, interpret=interpret)
-
-    def body(n, s):
-        sl = pl.ds(pl.multiple_of(n * c, c), c)
-        g_c = g_ref[sl].astype(f32)
-        gam, g_last = jnp.cumsum(g_c), jnp.sum(g_c)
-        qq, kk = q_ref[sl, :].astype(f32), k_ref[sl, :].astype(f32)
-        if l2norm:
-            qq, kk = l2norm_rows(qq), l2norm_rows(kk)
-        sw = s.astype(wd)
-        v_new = u_ref[sl, :].astype(f32) - mmw(w_ref[sl, :], sw)
-        o = mmw(qq * (scale * jnp.exp(gam))[:, None], sw) + mmw(a_ref[sl, :], v_new)
-        o_ref[sl, :] = o.astype(o_ref.dtype)
-        return s * jnp.exp(g_last) + mmw(kk * jnp.exp(g_last - gam)[:, None], v_new, ta=True)
-
-    s0 = h0_ref[...].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
-    s = lax.fori_loop(0, n_chunks, body, s0)
-    if final:
-        ht_ref[0][...] = s
-
-
-def _state_kernel(k_ref, w_ref, u_ref, g_ref, *rest, n_chunks, c, l2norm, has_init, final, wd, interpret):
-    """Sequential over chunks, the ``[dk, BV]`` float32 state slice in registers: stores the state entering each chunk
-    (rounded to the work dtype, as the read-out uses it) and ``V_new = U - W S``, then updates the state."""
-    f32 = jnp.float32
-    rest = list(rest)
-    h0_ref = rest.pop(0) if has_init else None
-    h_ref, vn_ref, *ht_ref = rest
+    outs, ht_ref = (rest[:1], rest[1:]) if fused else (rest[:2], rest[2:])
     dk, bv = k_ref.shape[-1], u_ref.shape[-1]
     mmw = functools.partial(mm, dtype=wd, interpret=interpret)
 
@@ -155,9 +135,16 @@ def _state_kernel(k_ref, w_ref, u_ref, g_ref, *rest, n_chunks, c, l2norm, has_in
         if l2norm:
             kk = l2norm_rows(kk)
         sw = s.astype(wd)
-        h_ref[n] = sw.astype(h_ref.dtype)
         v_new = u_ref[sl, :].astype(f32) - mmw(w_ref[sl, :], sw)
-        vn_ref[sl, :] = v_new.astype(vn_ref.dtype)
+        if fused:
+            qq = q_ref[sl, :].astype(f32)
+            if l2norm:
+                qq = l2norm_rows(qq)
+            o = mmw(qq * (scale * jnp.exp(gam))[:, None], sw) + mmw(a_ref[sl, :], v_new)
+            outs[0][sl, :] = o.astype(outs[0].dtype)
+        else:
+            outs[0][n] = sw.astype(outs[0].dtype)
+            outs[1][sl, :] = v_new.astype(outs[1].dtype)
         return s * jnp.exp(g_last) + mmw(kk * jnp.exp(g_last - gam)[:, None], v_new, ta=True)
 
     s0 = h0_ref[...].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
@@ -254,16 +241,12 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
         args = [q, k, w, u, aqk[0], g]
         out_shape = [jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype)]
         out_specs = [seq(bv, same, True)]
-        kernel = functools.partial(_scan_kernel, n_chunks=n, c=c, scale=float(scale), l2norm=use_qk_l2norm_in_kernel,
-                                   has_init=has_init, final=output_final_state, wd=wd, interpret=bool(interpret))
     else:
         in_specs = [seq(dk, shared), seq(dk, same), seq(bv, same, True), g_spec]
         args = [k, w, u, g]
         out_shape = [jax.ShapeDtypeStruct((b, hv, n, dk, dv), wd), jax.ShapeDtypeStruct((b, tp, hv, dv), wd)]
         out_specs = [pl.BlockSpec((None, None, n, dk, bv), lambda bi, h, iv: (bi, h, 0, 0, iv)),
                      seq(bv, same, True)]
-        kernel = functools.partial(_state_kernel, n_chunks=n, c=c, l2norm=use_qk_l2norm_in_kernel, has_init=has_init,
-                                   final=output_final_state, wd=wd, interpret=bool(interpret))
     if has_init:
         in_specs.append(state_spec)
         args.append(initial_state.astype(jnp.float32))
@@ -271,7 +254,9 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
         out_shape.append(jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32))
         out_specs.append(state_spec)
     outs = pl.pallas_call(
-        kernel,
+        functools.partial(_sequential_kernel, fused=fused, n_chunks=n, c=c, scale=float(scale),
+                          l2norm=use_qk_l2norm_in_kernel, has_init=has_init, final=output_final_state, wd=wd,
+                          interpret=bool(interpret)),
         out_shape=out_shape,
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
