@@ -41,13 +41,17 @@ def _load(path, tp=1, reduce="psum"):
     return jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, tensor_parallel_reduce=reduce)
 
 
-def _run(model, prompts, k, params, state=True, prefill_slots=None):
+def _run(model, prompts, k, params, state=True, prefill_slots=None, widths=None):
     """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None).
-    ``prefill_slots``: a list that receives each prefill call's slot ids."""
+    ``prefill_slots``: a list that receives each prefill call's slot ids; ``widths``: each device loop's slot
+    bucket."""
     eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16)
     if prefill_slots is not None:
         prefill = eng._prefill
         eng._prefill = lambda *a: (prefill_slots.append(np.asarray(a[2])), prefill(*a))[1]
+    if widths is not None:
+        pack = eng._pack_slots
+        eng._pack_slots = lambda: (w := pack(), widths.append(w))[0]
     ids = [eng.add_request(p, prm) for p, prm in zip(prompts, params)]
     reqs = [eng._by_id[i] for i in ids]
     out = {i: [] for i in ids}
@@ -401,7 +405,13 @@ def test_data_parallel_replicas_match_one_device(wide, kind, tp, k, rng):
                 _close(x, y, f"{name}[{i}]")
     np.testing.assert_array_equal(state.length, ref.length)
     eng = Engine(m, num_slots=4, max_context=64, num_draft_tokens=k)
-    assert eng.plan.kv_per_slot > 0 and eng.slot_buckets == [4]
+    assert eng.plan.kv_per_slot > 0 and eng.slot_buckets == [1, 2]  # prefixes of each replica's 2 slots
+    # slot buckets per replica: once the short requests end, the long one in the first replica's second slot moves
+    # to its first, and both replicas step one slot, with one device's tokens
+    short_long = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 20, 20, 3)]
+    widths = []
+    assert _run(m, prompts, k, short_long, state=False, widths=widths)[0] == _run(one, prompts, k, short_long)[0]
+    assert widths[0] == 2 and widths[-1] == 1, widths
     with pytest.raises(Exception, match="multiple of data_parallel_size=2"):
         Engine(m, num_slots=3, max_context=64, num_draft_tokens=k)
     assert jaxmtp.generate(m, prompts[0], max_new_tokens=6, num_draft_tokens=k).token_ids == want[0][:6]

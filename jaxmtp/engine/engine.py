@@ -172,7 +172,8 @@ class Engine:
         steps_per_sync: speculative steps per device loop before the host reads tokens.
         max_prefill_batch: prompts prefilled together in one call (under data parallelism: per replica).
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
-            slot, each prefix compiled once (``warmup`` compiles them all); False: always all slots.
+            slot, each prefix compiled once (``warmup`` compiles them all); under data parallelism the same prefix
+            of every replica's slots; False: always all slots.
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.steps.Oracle` drafts with this
             distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
         prefix_cache_memory: bytes of device memory for the prefix cache (:mod:`jaxmtp.engine.prefix_cache`), half
@@ -220,8 +221,7 @@ class Engine:
         if num_slots % dp:
             raise EngineConfigError(f"num_slots={num_slots} must be a multiple of data_parallel_size={dp} (each "
                                     "replica holds an equal share of the slots)")
-        if dp > 1:  # every replica steps all its slots (slot buckets are prefixes of one replica's slots)
-            slot_buckets = False
+        self.replica_slots = per_replica = num_slots // dp  # slot buckets are prefixes of each replica's slots
         weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
         # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
         self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
@@ -281,15 +281,15 @@ class Engine:
         self._prefill_lp = prefill_fn("prefill+prompt_logprobs", True)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
-        self.slot_buckets = _slot_buckets(num_slots) if slot_buckets else [num_slots]
+        self.slot_buckets = _slot_buckets(per_replica) if slot_buckets else [per_replica]
         self._move = slot_jit(counted("move", steps.move_slots))
         self._copy_carries = slot_jit(counted("copy_carries", steps.copy_carries))
 
         def loop(width, mode):
             name = _warmup.key_name(_warmup.step_key(width, mode))
-            if width == num_slots:
+            if width == per_replica:
                 name = "step" + name[name.index("]") + 1:]
-            run = steps.run_steps if width == num_slots else functools.partial(steps.run_steps_on_prefix, n=width)
+            run = steps.run_steps if width == per_replica else functools.partial(steps.run_steps_on_prefix, n=width)
             fn = functools.partial(run, cfg=run_cfg, k=self.k, num_steps=steps_per_sync, backend=backend,
                                    sampling=bool(mode), features=mode == _warmup.FEATURES)
             if layout is not None:
@@ -598,7 +598,7 @@ class Engine:
         last published holds its state (:meth:`_publish_state`), so a later prompt that continues its text resumes
         there even when the request ends off the device (a stop string, an abort) or is still running."""
         g = self.prefix_cache.granularity
-        for r in self._slots[:width]:
+        for r in (self._slots[s] for s in self._columns(width)):
             if r is None or r.done or r.waiting:
                 continue
             length = len(r.prompt) + len(r.generated) - 1  # committed: every emitted token but the last
@@ -797,18 +797,30 @@ class Engine:
         self._free(done_slots)
         return True
 
+    def _columns(self, width: int) -> list[int]:
+        """The slots a loop over slot bucket ``width`` steps, in its output columns' order: slots ``0 .. width-1`` of
+        each data-parallel replica, replica by replica."""
+        per = self.replica_slots
+        return [d * per + j for d in range(self.data_parallel) for j in range(width)]
+
     def _pack_slots(self) -> int:
         """With slot buckets: move busy requests from slots past the smallest bucket that could hold them all into
-        free slots below it (one device copy of those slots' state). Returns the bucket width to step over."""
-        busy = [s for s, r in enumerate(self._slots) if r is not None and not r.done]
-        covering = next(b for b in self.slot_buckets if b > (busy[-1] if busy else 0))  # steps as they stand
-        width = next(b for b in self.slot_buckets if b >= max(len(busy), 1))  # after packing
+        free slots below it (one device copy of those slots' state), in each data-parallel replica. Returns the
+        bucket width to step over."""
+        per = self.replica_slots
+        busy = [[j for j in range(per) if (r := self._slots[d * per + j]) is not None and not r.done]
+                for d in range(self.data_parallel)]
+        covering = next(b for b in self.slot_buckets if b > max(bl[-1] if bl else 0 for bl in busy))  # as they stand
+        width = next(b for b in self.slot_buckets if b >= max(1, *map(len, busy)))  # after packing
         if width == covering:
             return width
-        movers = [s for s in busy if s >= width]
-        free = [s for s in range(width) if self._slots[s] is None][: len(movers)]
-        if len(free) < len(movers):  # slots of finished requests not yet freed: step over what is busy
-            return covering
+        movers, free = [], []
+        for d, bl in enumerate(busy):
+            m = [d * per + j for j in bl if j >= width]
+            f = [d * per + j for j in range(width) if self._slots[d * per + j] is None][: len(m)]
+            if len(f) < len(m):  # slots of finished requests not yet freed: step over what is busy
+                return covering
+            movers, free = movers + m, free + f
         src = np.full((self.num_slots,), self.num_slots, np.int32)
         dst = np.full((self.num_slots,), self.num_slots, np.int32)
         src[: len(movers)], dst[: len(movers)] = movers, free
@@ -819,13 +831,14 @@ class Engine:
         return width
 
     def device_loop(self, width: int | None = None, sampling: bool | None = None, ready_only: bool = False):
-        """The jitted loop of ``steps_per_sync`` steps over slots ``0 .. width-1`` (a slot bucket; default all):
+        """The jitted loop of ``steps_per_sync`` steps over slots ``0 .. width-1`` of each data-parallel replica (a
+        slot bucket; default all; output columns in :meth:`_columns` order):
         ``(params, state) -> (state, outputs)``. ``sampling`` None: with sampling if a busy slot among them has
         temperature > 0, else greedy only (benchmarks and profiles call it as the engine does). ``ready_only``:
         while a background warm-up runs, a compiled loop that serves these slots (:meth:`_loop_for`)."""
-        width = self.num_slots if width is None else width
+        width = self.replica_slots if width is None else width
         if sampling is None:
-            busy = [r.params for r in self._slots[:width] if r is not None and not r.done]
+            busy = [r.params for s in self._columns(width) if (r := self._slots[s]) is not None and not r.done]
             sampling = (_warmup.FEATURES if any(p.processes_logits for p in busy)
                         else any(p.temperature > 0 for p in busy))
         if ready_only:
@@ -888,14 +901,15 @@ class Engine:
         return min(fits, key=lambda rc: (rc[1], rc[0])) if fits else max(ready, key=lambda rc: (rc[1], -rc[0]))
 
     def _decode(self, outputs):
-        width = self._pack_slots() if len(self.slot_buckets) > 1 else self.num_slots
+        width = self._pack_slots() if len(self.slot_buckets) > 1 else self.replica_slots
         self.state, out = self.device_loop(width, None, True)(self.model.params, self.state)
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
         lps = steps.unpack_logprobs(out["logprobs"]) if "logprobs" in out else None
         for step in range(self.steps_per_sync):
-            for s, r in enumerate(self._slots[:width]):
+            for s, slot in enumerate(self._columns(width)):  # s: the output column
+                r = self._slots[slot]
                 if r is None or r.done or not out["was_active"][step, s]:
                     continue
                 n = int(out["n_emit"][step, s])
