@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import json
@@ -43,7 +44,7 @@ from jaxmtp.benchmarking import device_kernels, device_seconds  # noqa: E402
 from jaxmtp.pallas.attention import attention_reference  # noqa: E402
 from jaxmtp.pallas.attention.decode_triton import cached_attention_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
-from jaxmtp.pallas.gated_delta_rule.chunk_triton import ChunkTiles, chunk_gated_delta_rule_triton  # noqa: E402
+from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton  # noqa: E402
 from jaxmtp.pallas.gated_delta_rule.recurrent_triton import (  # noqa: E402
     commit_gated_delta_rule_triton,
     commit_windows_triton,
@@ -525,17 +526,16 @@ def chunk_flops(b, t, hk, hv, d, c=64):
     return b * hv * n * per_chunk
 
 
-def chunk_tiles(spec, b, hv, d):
+def chunk_tiles(spec):
     """A ``--chunk-variants`` entry: ``auto`` (the kernel policy's choice), ``f,bv,warps,stages`` (read-out fused
-    into the sequential pass) or ``s,bv,warps,stages,out_bv,out_warps`` (separate read-out launch)."""
+    into the sequential pass) or ``s,bv,warps,stages,out_bv,out_warps`` (separate read-out launch); fields not
+    given keep the policy's."""
+    tiles = DEFAULT_POLICY.gdn_chunk_tiles()
     if spec == "auto":
-        return DEFAULT_POLICY.gdn_chunk_tiles()
+        return tiles
     form, *vals = spec.split(",")
-    vals = [int(x) for x in vals]
-    if form == "f":
-        return ChunkTiles(fused_readout=True, block_v=vals[0], num_warps=vals[1], num_stages=vals[2])
-    return ChunkTiles(fused_readout=False, block_v=vals[0], num_warps=vals[1], num_stages=vals[2],
-                      out_block_v=vals[3], out_num_warps=vals[4])
+    keys = ("block_v", "num_warps", "num_stages") + (("out_block_v", "out_num_warps") if form == "s" else ())
+    return dataclasses.replace(tiles, fused_readout=form == "f", **dict(zip(keys, map(int, vals))))
 
 
 def kernel_breakdown(fn, *args, chain, calls=8):
@@ -565,7 +565,7 @@ def section_chunk(configs=None):
         kw = dict(use_qk_l2norm_in_kernel=True)
         impls = []
         for spec in ARGS.chunk_variants.split(";"):
-            tiles = chunk_tiles(spec, b, hv, d)
+            tiles = chunk_tiles(spec)
             impls.append((f"pallas[{spec}]" if spec != "auto" else "pallas",
                           functools.partial(chunk_gated_delta_rule_triton, **kw, tiles=tiles, **impl_kw())))
         if not ARGS.chunk_pallas_only:
@@ -941,7 +941,7 @@ def section_sweep():
     for spec in ("f,32,4,3", "f,16,4,3", "f,64,4,2", "f,32,8,3", "s,32,4,3,64,4", "s,16,4,3,64,4", "s,32,4,3,128,8"):
         if out_of_time("sweep"):
             return
-        tiles = chunk_tiles(spec, 1, 2 * hk, d)
+        tiles = chunk_tiles(spec)
         if tiles.block_v > d:
             continue
         fn = functools.partial(chunk_gated_delta_rule_triton, use_qk_l2norm_in_kernel=True, tiles=tiles, **impl_kw())

@@ -5,6 +5,8 @@ The interpreters fill output buffers with NaN before the kernel runs, so an elem
 the finiteness check.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,11 +121,13 @@ def test_chunk_tiles_match_reference(rng, tiles):
     """Both read-out forms and every dv slicing of the sequential pass and of the separate read-out give the
     reference (dv = 64: 4 / 1 sequential slices, 2 / 4 read-out slices), bf16, 2 value heads per key head, T not a
     multiple of the chunk."""
-    from jaxmtp.pallas.gated_delta_rule.chunk_triton import ChunkTiles, chunk_gated_delta_rule_triton
+    from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
+    from jaxmtp.pallas.policy import DEFAULT_POLICY
 
     (q, k, v, g, beta), s0 = make_inputs(rng, 2, 90, 2, 2, 32, 64, jnp.bfloat16, ((0, 70),))
     o, s = chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True,
-                                         chunk_size=32, tiles=ChunkTiles(**tiles), interpret=True)
+                                         chunk_size=32, tiles=dataclasses.replace(DEFAULT_POLICY.gdn_chunk_tiles(), **tiles),
+                                         interpret=True)
     o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
     assert_close(o, o_ref, TOL[jnp.bfloat16])
     assert_close(s, s_ref, TOL[jnp.bfloat16])

@@ -224,7 +224,7 @@ class Engine:
         self.replica_slots = per_replica = num_slots // dp  # slot buckets are prefixes of each replica's slots
         weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
         # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
-        self.plan = memory_plan(run_cfg, num_slots // dp, max_context, self.k, model.dtype, weights=weights)
+        self.plan = memory_plan(run_cfg, per_replica, max_context, self.k, model.dtype, weights=weights)
         self.prefix_cache = self._pool = None
         if prefix_cache_memory:
             self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or max(256, prefill_chunk),
@@ -617,19 +617,18 @@ class Engine:
     def _admit_queued(self):
         free = [s for s, r in enumerate(self._slots) if r is None]
         new = []
-        per_replica = self.num_slots // self.data_parallel
-        busy = collections.Counter(s // per_replica for s, r in enumerate(self._slots) if r is not None)
+        per = self.replica_slots
+        busy = collections.Counter(s // per for s, r in enumerate(self._slots) if r is not None)
         with self._lock:
             while free and self._queue:
                 if len(self._queue[0].group or ()) > len(free):  # a request's samples enter together
                     break
                 for _ in range(len(self._queue[0].group or [0])):
                     req = self._queue.popleft()
-                    # lowest free slot (slot buckets step the busy prefix); with DP, on the least busy replica
-                    req.slot = (min(free, key=lambda s: (busy[s // per_replica], s)) if self.data_parallel > 1
-                                else free[0])
+                    # the least busy replica's lowest free slot (slot buckets step the busy prefix)
+                    req.slot = min(free, key=lambda s: (busy[s // per], s))
                     free.remove(req.slot)
-                    busy[req.slot // per_replica] += 1
+                    busy[req.slot // per] += 1
                     req.admitted = time.perf_counter()
                     self._slots[req.slot] = req
                     new.append(req)
@@ -673,13 +672,10 @@ class Engine:
         pending = [r for r in pending if r.params.prompt_logprobs is None]
         completed = False
         batch = self._prefill_rows_limit()
-        if self.data_parallel > 1:  # up to `batch` rows per replica in each call
-            per = self.num_slots // self.data_parallel
-            mine = [[r for r in pending if r.slot // per == d] for d in range(self.data_parallel)]
-            calls = max(-(-len(m) // batch) for m in mine)
-            groups = [[r for m in mine for r in m[i * batch : (i + 1) * batch]] for i in range(calls)]
-        else:
-            groups = [pending[i : i + batch] for i in range(0, len(pending), batch)]
+        # up to `batch` rows per data-parallel replica in each call
+        mine = [[r for r in pending if r.slot // self.replica_slots == d] for d in range(self.data_parallel)]
+        calls = max(-(-len(m) // batch) for m in mine)
+        groups = [[r for m in mine for r in m[i * batch : (i + 1) * batch]] for i in range(calls)]
         groups += [[r] for r in alone]
         for group in groups:
             completed |= self._prefill_group(group, outputs)
@@ -734,15 +730,14 @@ class Engine:
     def _prefill_group(self, group, outputs):
         limit = {id(r): self._prefill_end(r) for r in group}
         # under data parallelism each replica takes a block of `rows` rows, its requests first
-        dp, per = self.data_parallel, self.num_slots // self.data_parallel
-        replica = [r.slot // per if dp > 1 else 0 for r in group]
+        replica = [r.slot // self.replica_slots for r in group]
         rows, chunk = self._prefill_shape(max(collections.Counter(replica).values()),
                                           max(min(self.prefill_chunk, limit[id(r)] - r.prefilled) for r in group))
         row_of, taken = [], collections.Counter()
         for d in replica:
             row_of.append(d * rows + taken[d])
             taken[d] += 1
-        rows *= dp
+        rows *= self.data_parallel
         slots = np.full((rows,), self.num_slots, np.int32)
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)

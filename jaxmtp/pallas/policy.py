@@ -85,13 +85,14 @@ class KernelPolicy:
     commit_num_warps: int = 4
     # chunked prefill (gated_delta_rule/chunk_triton.py): the read-out inside the sequential pass (else its own
     # parallel launch); the sequential pass's dv slice, warps and pipeline stages; the separate read-out's dv slice
-    # and warps
+    # and warps; the prep kernel's warps
     gdn_chunk_fused_readout: bool = True
     gdn_chunk_block_v: int = 32
     gdn_chunk_num_warps: int = 4
     gdn_chunk_num_stages: int = 3
     gdn_chunk_out_block_v: int = 64
     gdn_chunk_out_num_warps: int = 4
+    gdn_chunk_prep_num_warps: int = 4
 
     def gdn_chunk_tiles(self):
         """The chunked GDN kernel's launch parameters
@@ -100,7 +101,8 @@ class KernelPolicy:
 
         return ChunkTiles(fused_readout=bool(self.gdn_chunk_fused_readout), block_v=self.gdn_chunk_block_v,
                           num_warps=self.gdn_chunk_num_warps, num_stages=self.gdn_chunk_num_stages,
-                          out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps)
+                          out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps,
+                          prep_num_warps=self.gdn_chunk_prep_num_warps)
 
     @property
     def sms(self) -> int:

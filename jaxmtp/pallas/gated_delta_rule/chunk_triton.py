@@ -173,26 +173,31 @@ def _output_kernel(q_ref, k_ref, h_ref, vn_ref, g_ref, o_ref, *, scale, l2norm, 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkTiles:
-    """Launch parameters: ``fused_readout`` runs the read-out inside the sequential pass (two launches: ``prep``
-    also writes ``Aqk``) instead of in its own parallel launch (three); ``block_v`` (BV) is the dv slice of a
-    sequential-pass program (programs ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program."""
+    """Launch parameters (chosen by :meth:`jaxmtp.pallas.policy.KernelPolicy.gdn_chunk_tiles`): ``fused_readout``
+    runs the read-out inside the sequential pass (two launches: ``prep`` also writes ``Aqk``) instead of in its own
+    parallel launch (three); ``block_v`` (BV) is the dv slice of a sequential-pass program (programs
+    ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program."""
 
-    fused_readout: bool = True
-    block_v: int = 32
-    num_warps: int = 4
-    num_stages: int = 3
-    out_block_v: int = 64
-    out_num_warps: int = 4
-    prep_num_warps: int = 4
+    fused_readout: bool
+    block_v: int
+    num_warps: int
+    num_stages: int
+    out_block_v: int
+    out_num_warps: int
+    prep_num_warps: int
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size",
                                              "tiles", "interpret"))
 def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=False, chunk_size=64, *, tiles: ChunkTiles = ChunkTiles(),
+                                  use_qk_l2norm_in_kernel=False, chunk_size=64, *, tiles: ChunkTiles | None = None,
                                   interpret=False):
     """Same contract as :func:`naive_chunk_gated_delta_rule`. ``chunk_size`` in {16, 32, 64}; ``tiles``: the launch
-    parameters (:class:`ChunkTiles`; a BV larger than dv is clipped to dv)."""
+    parameters (:class:`ChunkTiles`, default the default policy's; a BV larger than dv is clipped to dv)."""
+    if tiles is None:
+        from jaxmtp.pallas.policy import DEFAULT_POLICY
+
+        tiles = DEFAULT_POLICY.gdn_chunk_tiles()
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2:]
     if hv % hk:
