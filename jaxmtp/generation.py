@@ -305,7 +305,7 @@ def main(argv=None) -> int:
         # Compile what this request runs, with progress on stderr, so that the timings below exclude it.
         keys = engine.keys_for_request(len(ids[0]), sampling=args.temperature > 0)
         compile_s = engine.warmup(keys=keys, progress=True)
-        from_cache = sum(engine.executables[k].cache_hits > 0 for k in keys)
+        from_cache = sum(engine.executables[k].cache_hits > 0 or engine.executables[k].stored for k in keys)
         t0 = time.perf_counter()
         sys.stdout.write(args.prompt)
         final, first, since_start = None, None, None

@@ -38,9 +38,9 @@ from jaxmtp.benchmarking import fill_synthetic, random_model, timed_loops, tiny_
 from jaxmtp.engine import Engine
 
 
-def _start_server(cmd: list[str], timeout: float) -> dict:
+def _start_server(cmd: list[str], timeout: float, background_wait: float = float("inf")) -> dict:
     """One server start: seconds to listening and to SERVING, the warm-up (GetModelInfo), a first request, the
-    background compiles' end; then SIGTERM."""
+    background compiles' end (waited for at most ``background_wait`` seconds after the request); then SIGTERM."""
     import signal
     import subprocess
 
@@ -73,7 +73,7 @@ def _start_server(cmd: list[str], timeout: float) -> dict:
             out = c.generate(prompt, max_tokens=32, ignore_eos=True)
             request = time.perf_counter() - t
             background, late = None, info
-            while time.perf_counter() - t0 < timeout:
+            while time.perf_counter() - t0 < min(timeout, serving + request + background_wait):
                 late = c.model_info()
                 if late["executables_compiled"] >= late["executables_total"]:
                     background = time.perf_counter() - t0
@@ -107,7 +107,7 @@ def serve_main(args) -> int:
     runs = {}
     for name in ("first", "second")[:args.starts]:
         load = os.getloadavg()
-        runs[name] = {**_start_server(cmd, args.timeout), "load_average_before": load,
+        runs[name] = {**_start_server(cmd, args.timeout, args.background_wait), "load_average_before": load,
                       "load_average_after": os.getloadavg()}
         r = runs[name]
         print(f"{name} start: SERVING after {r['serving_s']:.1f} s ({r['executables_before_serving']} of "
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--starts", type=int, default=2, choices=(1, 2), help="--serve: a first start only, or also a "
                     "second (cached)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="--serve: seconds per start")
+    ap.add_argument("--background-wait", type=float, default=float("inf"),
+                    help="--serve: seconds to wait for the background compiles after the first request")
     ap.add_argument("--model", default="qwen3.5-4b")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--k", type=int, default=3)

@@ -44,6 +44,15 @@ def checkpoint_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(autouse=True)
+def _no_executable_store(request, monkeypatch):
+    """In-process engines compile their own executables unless a test is marked ``executable_store``: a test that
+    patches what a device function computes would otherwise load one stored by an earlier test (the store's key
+    sees the package's source, not a patched function). Servers started in subprocesses use the store."""
+    if "executable_store" not in request.keywords:
+        monkeypatch.setattr("jaxmtp.engine.aot.default_store", lambda: None)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -66,14 +66,17 @@ _CHILD = textwrap.dedent("""
             for o in eng.step():
                 toks += o.token_ids
     print(json.dumps({"counter": c.as_dict(), "requests": c.requests, "tokens": toks, "dir": cache_dir(),
-                      "warmup": [x["cache_hits"] for x in eng.warmup_status()["executables"]]}))
+                      "warmup": [x["cache_hits"] for x in eng.warmup_status()["executables"]],
+                      "stored": [x["stored"] for x in eng.warmup_status()["executables"]],
+                      "traced": sum(n for f, n in eng.trace_counts.items() if f.startswith(("step", "prefill")))}))
 """)
 
 
 def test_second_start_in_a_fresh_process_compiles_nothing(ckpt, tmp_path):
     """The same engine started twice, each in a new process, with the cache directory from the environment (as
-    every entry point resolves it): the first start compiles and writes the cache; the second loads every
-    executable from it (no XLA compile, no new cache file) and decodes the same tokens."""
+    every entry point resolves it): the first start compiles and writes the cache, and stores the warmed step loops
+    and prefills (jaxmtp.engine.aot); the second loads those from the store (nothing traced) and everything else
+    from the cache (no XLA compile, no new file) and decodes the same tokens."""
     cache = tmp_path / "xla"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", compile_cache.ENV_VAR: str(cache)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -83,16 +86,17 @@ def test_second_start_in_a_fresh_process_compiles_nothing(ckpt, tmp_path):
                            timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-        files.append(sorted(os.listdir(cache)))
+        files.append(sorted(os.listdir(cache)) + sorted(os.listdir(cache / "aot")))
     first, second = outs
     assert first["dir"] == second["dir"] == str(cache)
     # A cold start compiles (a repeated small computation may already hit what the same process wrote) ...
     assert first["counter"]["cache_misses"] > 5 and first["counter"]["cache_hits"] < first["requests"] / 4
     assert len(files[0]) >= first["counter"]["cache_misses"]  # ... and writes each executable
-    assert second["requests"] == first["requests"]
+    n = len(first["stored"])  # a prefill of 1 and of 2 rows, the greedy and the sampling loop
+    assert n == 4 and not any(first["stored"]) and len(os.listdir(cache / "aot")) == n
     assert second["counter"]["cache_misses"] == 0 and second["counter"]["cache_hits"] == second["requests"]
     assert files[1] == files[0]
-    assert all(h > 0 for h in second["warmup"])
+    assert all(second["stored"]) and not any(second["warmup"]) and first["traced"] == n and second["traced"] == 0
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 12
 
 

@@ -300,6 +300,10 @@ class Engine:
         # (features). The greedy loop has no sampling conditional, whose predicate costs a host round trip inside
         # every plain step on GPUs (docs/engine.md has the measurement); neither of the first two processes logits.
         self._loops = {(w, mode): loop(w, mode) for w in self.slot_buckets for mode in _MODES}
+        # what the loops and prefills compute beyond their arguments' shapes: the ahead-of-time store's key
+        # (jaxmtp.engine.aot; with the source digest, versions and argument layouts it adds)
+        self._identity = ("jaxmtp.Engine", run_cfg, self.k, steps_per_sync, backend, str(jnp.dtype(model.dtype)),
+                          dp, oracle_probs is not None)
         # Every shape the engine can run (jaxmtp.engine.warmup). After warmup(background=True) the calls use only
         # the compiled ones (``_ready``), substituting a wider bucket or the sampling loop until the rest are done.
         self.executables = self._list_executables()
@@ -733,6 +737,8 @@ class Engine:
         replica = [r.slot // self.replica_slots for r in group]
         rows, chunk = self._prefill_shape(max(collections.Counter(replica).values()),
                                           max(min(self.prefill_chunk, limit[id(r)] - r.prefilled) for r in group))
+        # the executable compiled (or loaded) for this shape, else the jitted function (traced at this call)
+        prefill = self.executables[_warmup.prefill_key(rows, chunk)].compiled or self._prefill
         row_of, taken = [], collections.Counter()
         for d in replica:
             row_of.append(d * rows + taken[d])
@@ -763,7 +769,7 @@ class Engine:
             self.state, first, finished, reason, logprobs, prompt_lps = self._prefill_lp(*args)
             self._add_prompt_logprobs(group[0], steps.unpack_logprobs(np.asarray(prompt_lps)), ends[0], row_of[0])
         else:
-            self.state, first, finished, reason, logprobs = self._prefill(*args)
+            self.state, first, finished, reason, logprobs = prefill(*args)
         if self.prefix_cache is not None:
             for r, end, fin in zip(group, ends, final[row_of]):
                 if not fin and end % self.prefix_cache.granularity == 0:
@@ -831,6 +837,10 @@ class Engine:
         ``(params, state) -> (state, outputs)``. ``sampling`` None: with sampling if a busy slot among them has
         temperature > 0, else greedy only (benchmarks and profiles call it as the engine does). ``ready_only``:
         while a background warm-up runs, a compiled loop that serves these slots (:meth:`_loop_for`)."""
+        return self._loops[self._loop_key(width, sampling, ready_only)]
+
+    def _loop_key(self, width: int | None, sampling, ready_only: bool) -> tuple:
+        """(width, mode) of :meth:`device_loop`'s loop."""
         width = self.replica_slots if width is None else width
         if sampling is None:
             busy = [r.params for s in self._columns(width) if (r := self._slots[s]) is not None and not r.done]
@@ -838,7 +848,7 @@ class Engine:
                         else any(p.temperature > 0 for p in busy))
         if ready_only:
             width, sampling = self._loop_for(width, sampling)
-        return self._loops[width, sampling]
+        return width, sampling
 
     # ---- compiled shapes and their substitutes (jaxmtp.engine.warmup) ---------------------------------------
     def _list_executables(self) -> dict:
@@ -849,7 +859,8 @@ class Engine:
             while True:
                 key = _warmup.prefill_key(rows, chunk)
                 ex[key] = _warmup.Executable(key, self._prefill, _warmup.prefill_args(rows * self.data_parallel,
-                                                                                         chunk, self.num_slots))
+                                                                                         chunk, self.num_slots),
+                                             identity=(self._identity, key))
                 if chunk >= self.prefill_chunk:
                     break
                 chunk = self._chunk_bucket(chunk + 1)
@@ -858,7 +869,7 @@ class Engine:
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
         for (w, mode), fn in self._loops.items():
             key = _warmup.step_key(w, mode)
-            ex[key] = _warmup.Executable(key, fn, tuple)
+            ex[key] = _warmup.Executable(key, fn, tuple, identity=(self._identity, key))
         return ex
 
     def _loop_for(self, width: int, mode) -> tuple[int, object]:
@@ -897,7 +908,9 @@ class Engine:
 
     def _decode(self, outputs):
         width = self._pack_slots() if len(self.slot_buckets) > 1 else self.replica_slots
-        self.state, out = self.device_loop(width, None, True)(self.model.params, self.state)
+        key = self._loop_key(width, None, True)
+        loop = self.executables[_warmup.step_key(*key)].compiled or self._loops[key]
+        self.state, out = loop(self.model.params, self.state)
         out = jax.device_get(out)
         self.num_steps_run += self.steps_per_sync
         done_slots = []
@@ -1002,51 +1015,73 @@ class Engine:
         todo = [self.executables[k] for k in keys if not self.executables[k].ready]
         self._warmup_plan, self._warmup_t0, self.warmup_seconds = list(keys), t0, None
         workers = compile_threads or min(8, os.cpu_count() or 1)
-        errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress)
+        bookkeeping = self._bookkeeping_calls()
+        later = []  # slot moves and the samples' copy are not in a first request's path: compiled after SERVING
+        if background:
+            later = [c for c in bookkeeping if c[0] in (self._move, self._copy_carries)]
+            bookkeeping = [c for c in bookkeeping if c not in later]
+        errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress,
+                                     extra=[(fn, make(self.state, self._pool)) for fn, make, _ in bookkeeping])
         if errors:
             e = errors[0]
             warnings.warn(f"compiling {workers} functions at a time failed ({type(e).__name__}: {str(e)[:200]}); "
                           "compiling the rest one at a time", RuntimeWarning, stacklevel=2)
         out = ()
-        for ex in [self.executables[k] for k in keys]:  # compiled above: run each once (a dummy row, or no slot)
+        for ex in [self.executables[k] for k in keys]:  # the threaded compiles failed: compile at a dummy call
+            if ex.compiled is not None:
+                self._ready.add(ex.key)
+                continue
             t = time.perf_counter()
-            self.state, *out = ex.fn(self.model.params, self.state, *ex.args())
+            self.state, *out = ex(self.model.params, self.state, *ex.args())
             if not ex.ready:  # its threaded compile failed: this call compiled it
                 jax.block_until_ready(out)
                 ex.seconds, ex.phase = time.perf_counter() - t, _warmup.BEFORE_SERVING
             self._ready.add(ex.key)
-        none = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
-        if len(self.slot_buckets) > 1:
-            self.state = self._move(self.state, none, none)
-        self.state = self._copy_carries(self.state, jnp.int32(0), none)  # the samples' copy: writes nothing
-        if self.prefix_cache is not None:  # the cache's copies, on ids past the slots and pools: nothing changes
-            idx, no_slot = self.prefix_cache, jnp.int32(self.num_slots)
-            self._pool, self.state = self._save_block(self._pool, self.state, no_slot, jnp.int32(0),
-                                                      jnp.int32(idx.num_blocks))
-            self._pool, self.state = self._save_snapshot(self._pool, self.state, no_slot, jnp.int32(idx.num_snapshots))
-            blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
-            self.state = self._restore(self.state, self._pool, no_slot, blocks, jnp.int32(0), jnp.int32(0))
-        jax.block_until_ready(out)
-        ids = jnp.full((self.num_slots,), self.num_slots, jnp.int32)
-        self.state = self._deactivate(self.state, ids)
-        b = self.num_slots
-        zi, zf = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32)
-        self.state = self._admit(self.state, ids, zi, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
-                                 jnp.full((b, self.state.stop_ids.shape[1]), -1, jnp.int32),
-                                 {name: jnp.asarray(v) for name, v in steps.neutral_processing(b).items()})
-        self.state = self._mark_prompt(self.state, jnp.int32(self.num_slots),
-                                       jnp.full((self.prefill_chunk,), -1, jnp.int32))
+        for fn, make, pool in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
+            out = fn(*make(self.state, self._pool))
+            if pool:
+                self._pool, self.state = out
+            else:
+                self.state = out
         jax.block_until_ready(self.state.length)
         self.warmup_seconds = time.perf_counter() - t0
         rest = [ex for ex in self.executables.values() if not ex.ready]
-        if background and rest:
+        if background and (rest or later):
             self._lazy = True
             order = _warmup.background_order([ex.key for ex in rest], self.slot_buckets)
             # Lowering needs only the shapes of params and state: the thread reads them as they stand.
             self.background = _warmup.BackgroundCompiler(
                 [self.executables[k] for k in order], lambda: (self.model.params, self.state),
-                self._ready.add, idle=lambda: not self.has_work()).start()
+                self._ready.add, idle=lambda: not self.has_work(),
+                extra=[(fn, functools.partial(lambda m: m(self.state, self._pool), make)) for fn, make, _ in later]
+            ).start()
         return self.warmup_seconds
+
+    def _bookkeeping_calls(self) -> list[tuple]:
+        """The small functions every request uses (slot moves, the samples' copy, the prefix cache's copies,
+        admission), each as ``(jitted function, args(state, pool), returns the pool too)``, on ids past the slots
+        and pools: calling them changes nothing."""
+        n = self.num_slots
+        none, no_slot = jnp.full((n,), n, jnp.int32), jnp.int32(n)
+        zi, zf = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
+        calls = []
+        if len(self.slot_buckets) > 1:
+            calls.append((self._move, lambda st, pl: (st, none, none), False))
+        calls.append((self._copy_carries, lambda st, pl: (st, jnp.int32(0), none), False))
+        if self.prefix_cache is not None:
+            idx = self.prefix_cache
+            blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
+            calls += [(self._save_block, lambda st, pl: (pl, st, no_slot, jnp.int32(0), jnp.int32(idx.num_blocks)), True),
+                      (self._save_snapshot, lambda st, pl: (pl, st, no_slot, jnp.int32(idx.num_snapshots)), True),
+                      (self._restore, lambda st, pl: (st, pl, no_slot, blocks, jnp.int32(0), jnp.int32(0)), False)]
+        processing = {name: jnp.asarray(v) for name, v in steps.neutral_processing(n).items()}
+        stops = jnp.full((n, self.state.stop_ids.shape[1]), -1, jnp.int32)
+        calls += [(self._deactivate, lambda st, pl: (st, none), False),
+                  (self._admit, lambda st, pl: (st, none, zi, zf, zi, zf + 1, zi.astype(jnp.uint32),
+                                                zi.astype(jnp.uint32), stops, processing), False),
+                  (self._mark_prompt, lambda st, pl: (st, no_slot, jnp.full((self.prefill_chunk,), -1, jnp.int32)),
+                   False)]
+        return calls
 
     def keys_for_request(self, prompt_len: int, sampling) -> list[tuple]:
         """The executables (``warmup(keys=...)``) one request runs alone in the engine: its prompt's one-row

@@ -60,15 +60,24 @@ def key_name(key: tuple) -> str:
 
 @dataclasses.dataclass
 class Executable:
-    """One compiled shape: ``fn(params, state, *args())`` is a dummy call of it (no effect on any slot)."""
+    """One compiled shape: ``fn(params, state, *args())`` is a dummy call of it (no effect on any slot).
+    ``identity``: what the function computes besides its arguments' shapes (the engine's description), the key of
+    the ahead-of-time store (:mod:`jaxmtp.engine.aot`; None: not stored). Once ready, calling the executable runs
+    the compiled program (``compiled``) without tracing."""
 
     key: tuple
     fn: Callable
     args: Callable[[], tuple]
-    seconds: float | None = None  # lowering + compile (or cache load); None until ready
+    identity: Any = None
+    seconds: float | None = None  # loading from the store, or tracing + lowering + compile (or cache load)
     phase: str | None = None  # BEFORE_SERVING or BACKGROUND
     cache_hits: int = 0  # executables of this compile that the persistent cache supplied
     compiles: int = 0  # executables of this compile (XLA compiles + cache loads)
+    stored: bool = False  # loaded from the ahead-of-time store (no tracing, no lowering)
+    compiled: Any = None
+
+    def __call__(self, *args):
+        return (self.compiled or self.fn)(*args)
 
     @property
     def name(self) -> str:
@@ -80,7 +89,7 @@ class Executable:
 
     def as_dict(self) -> dict:
         return {"name": self.name, "seconds": self.seconds, "phase": self.phase, "cache_hits": self.cache_hits,
-                "compiles": self.compiles}
+                "compiles": self.compiles, "stored": self.stored}
 
 
 def prefill_args(rows: int, chunk: int, num_slots: int) -> Callable[[], tuple]:
@@ -114,27 +123,40 @@ def background_order(keys, slot_buckets: list[int]) -> list[tuple]:
 
 
 def compile_one(ex: Executable, params, state, phase: str) -> Executable:
-    """Lower and compile ``ex`` (the call's in-memory cache then holds it); records seconds and cache use."""
+    """Make ``ex`` ready: load it from the ahead-of-time store (:mod:`jaxmtp.engine.aot`), else trace, lower and
+    compile it and store it; records seconds and cache use."""
+    from jaxmtp.engine import aot
+
     t0 = time.perf_counter()
-    with CompileCounter(this_thread=True) as c:
-        ex.fn.lower(params, state, *ex.args()).compile()
-    ex.compiles, ex.cache_hits = c.compiles, c.cache_hits
-    ex.phase = phase
+    args = (params, state, *ex.args())
+    store = aot.default_store() if ex.identity is not None else None
+    key = aot.fingerprint(ex.identity, args) if store is not None else None
+    compiled = store.load(key, args) if store is not None else None
+    if compiled is not None:
+        ex.stored, ex.compiles, ex.cache_hits = True, 0, 0
+        how = ", from the executable store"
+    else:
+        traced = ex.fn.trace(*args)  # outside the counter: constants computed while tracing are not this program
+        with CompileCounter(this_thread=True) as c:
+            compiled = traced.lower().compile()
+        ex.compiles, ex.cache_hits = c.compiles, c.cache_hits
+        if store is not None and aot.storable(c.cache_hits):
+            store.save(key, compiled)
+        how = ", from the compilation cache" if c.cache_hits and c.cache_hits >= c.requests else ""
+    ex.compiled, ex.phase = compiled, phase
     ex.seconds = time.perf_counter() - t0
-    log.info("compiled %s in %.2f s (%s%s)", ex.name, ex.seconds, phase,
-             ", from the compilation cache" if c.cache_hits and c.cache_hits >= c.requests else "")
+    log.info("compiled %s in %.2f s (%s%s)", ex.name, ex.seconds, phase, how)
     return ex
 
 
 def compile_all(executables: list[Executable], params, state, *, threads: int, progress: bool,
-                desc: str = "compiling") -> list[BaseException]:
+                desc: str = "compiling", extra: list[tuple[Callable, tuple]] = ()) -> list[BaseException]:
     """Compile ``executables`` ``threads`` at a time (each is lowered in its thread; XLA compiles in parallel),
-    drawing a progress bar on stderr. Returns the errors (the caller decides what to do: a failed one compiles at
-    its first call)."""
+    drawing a progress bar on stderr, then ``extra`` (jitted function, arguments) pairs as threads come free (the
+    in-memory caches then hold them for the calls). Returns the errors (the caller decides what to do: a failed one
+    compiles at its first call)."""
     errors: list[BaseException] = []
-    if not executables:
-        return errors
-    with Progress(len(executables), desc, unit=" executables", enabled=progress) as bar:
+    with Progress(len(executables), desc, unit=" executables", enabled=progress and bool(executables)) as bar:
         lock = threading.Lock()
         bar.update(0, note=", ".join(ex.name for ex in executables))
 
@@ -144,7 +166,9 @@ def compile_all(executables: list[Executable], params, state, *, threads: int, p
                 bar.update(1, note=ex.name)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            for fut in [pool.submit(work, ex) for ex in executables]:
+            futures = [pool.submit(work, ex) for ex in executables]
+            futures += [pool.submit(lambda f, a: f.lower(*a).compile(), fn, args) for fn, args in extra]
+            for fut in futures:
                 try:
                     fut.result()
                 except Exception as e:  # noqa: BLE001 - reported to the caller
@@ -160,8 +184,10 @@ class BackgroundCompiler:
 
     def __init__(self, executables: list[Executable], get_args: Callable[[], tuple[Any, Any]],
                  on_ready: Callable[[tuple], None], idle: Callable[[], bool] = lambda: True,
-                 poll_seconds: float = 0.2, settle_seconds: float = 2.0):
+                 poll_seconds: float = 0.2, settle_seconds: float = 2.0,
+                 extra: list[tuple[Callable, Callable[[], tuple]]] = ()):
         self.pending = list(executables)
+        self.extra = list(extra)  # (jitted function, args maker): compiled first, not counted
         self.total = len(executables)
         self.done = 0
         self.seconds = 0.0
@@ -173,7 +199,7 @@ class BackgroundCompiler:
         self.thread = threading.Thread(target=self._run, name="jaxmtp-compile", daemon=True)
 
     def start(self) -> "BackgroundCompiler":
-        if self.pending:
+        if self.pending or self.extra:
             self.thread.start()
         else:
             self.finished.set()
@@ -190,7 +216,7 @@ class BackgroundCompiler:
             pass
         try:
             idle_since = None
-            while self.pending and not self._stop.is_set():
+            while (self.pending or self.extra) and not self._stop.is_set():
                 now = time.monotonic()
                 if not self._idle():
                     idle_since = None
@@ -198,6 +224,10 @@ class BackgroundCompiler:
                     idle_since = now
                 if idle_since is None or now - idle_since < self._settle:
                     self._stop.wait(self._poll)
+                    continue
+                if self.extra:
+                    fn, make = self.extra.pop(0)
+                    fn.lower(*make()).compile()  # the in-memory caches hold it for the call
                     continue
                 ex = self.pending.pop(0)
                 params, state = self._get_args()  # shapes only: lowering reads no buffer

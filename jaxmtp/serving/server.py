@@ -654,7 +654,8 @@ class GenerationServer:
         return dict(warmup_planned=w["planned"], warmup_done=w["done"], warmup_s=w["seconds"],
                     executables_total=w["total"], executables_compiled=w["compiled"], executables=[
                         pb.CompiledExecutable(name=x["name"], seconds=x["seconds"], phase=x["phase"] or "",
-                                              from_cache=bool(x["compiles"]) and x["cache_hits"] >= x["compiles"])
+                                              from_cache=bool(x["compiles"]) and x["cache_hits"] >= x["compiles"],
+                                              from_store=x["stored"])
                         for x in w["executables"]], compile_cache_dir=cache_dir() or "")
 
     async def _model_info(self, request, context):
