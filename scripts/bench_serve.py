@@ -122,6 +122,9 @@ class StartedServer:
             self.proc.wait(30)
             raise SystemExit(f"the server did not start (exit code {self.proc.returncode}): {line!r}")
         self.address = line.split()[-1]
+        self.http_address = None
+        if "--no-http" in cmd:  # no second line to wait for
+            return
         line = self.proc.stdout.readline()
         if not line.startswith("jaxmtp.serve http listening on "):
             self.stop()
@@ -358,6 +361,8 @@ def main(argv=None) -> int:
     args.protocol = list(dict.fromkeys(args.protocol))
     if "http" in args.protocol and args.address and not args.http_address:
         raise SystemExit("--protocol http with --address needs --http-address (the server's HTTP host:port)")
+    if "http" in args.protocol and "--no-http" in args.server_arg:
+        raise SystemExit("--protocol http needs the server's HTTP API (drop --server-arg=--no-http)")
     server = None if args.address else StartedServer(args)
     address = args.address or server.address
     http_address = args.http_address or (server.http_address if server is not None else None)
