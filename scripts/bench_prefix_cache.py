@@ -4,14 +4,16 @@
     python scripts/bench_prefix_cache.py --out prefix_cache.json                          # the default model, CPU
     python scripts/bench_prefix_cache.py --random-model qwen3.5-4b --system 8192 --out x.json   # a released shape
 
-Two workloads, each run on an engine with the prefix cache (``Engine(prefix_cache_memory="auto")``) and on one
-without, alternating:
+Three workloads, each run on an engine with the prefix cache (``Engine(prefix_cache_memory=--cache-memory)``) and on
+one without, alternating:
 
 * **shared system prompt:** ``--requests`` requests whose prompts are one ``--system``-token prefix plus a
   distinct ``--user``-token question; one request first (it fills the cache), then the rest one at a time (TTFT
   p50 / p99 of those) and then all together (wall time and output tokens/s);
 * **multi-turn chat:** ``--turns`` turns on a growing history (each prompt = the previous prompt + its answer + a
-  new ``--user``-token message); TTFT of each turn.
+  new ``--user``-token message); TTFT of each turn;
+* **no hits:** ``--requests`` - 1 distinct prompts of ``--system`` + ``--user`` tokens sharing nothing, all together
+  (the cost of the cache when it never helps: publishing snapshots, the index; wall time, output tokens/s, TTFT).
 
 Token ids are random (the model's vocabulary), so the outputs are not meaningful text; with the cache the tokens
 must equal those without (checked, reported as ``tokens_equal``). JSON as the other benchmarks.
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("-k", type=int, default=3)
+    ap.add_argument("--cache-memory", default="auto", help="the cached engine's pool, e.g. 8GiB (default auto; with "
+                    "two engines in one process give a size: auto sizes from the device as if the engine were alone)")
     ap.add_argument("--out", default="bench_prefix_cache.json")
     args = ap.parse_args(argv)
     if args.random_model:
@@ -75,7 +79,10 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size - 2
     context = args.system + args.turns * (args.user + args.max_new) + args.user + 64
     kw = dict(num_slots=args.slots, max_context=context, num_draft_tokens=args.k)
-    engines = {"cache": Engine(model, prefix_cache_memory="auto", **kw), "none": Engine(model, **kw)}
+    from jaxmtp.serve import _bytes_or_auto
+
+    engines = {"cache": Engine(model, prefix_cache_memory=_bytes_or_auto(args.cache_memory), **kw),
+               "none": Engine(model, **kw)}
     for eng in engines.values():
         eng.warmup()
     rng = np.random.default_rng(0)
@@ -106,7 +113,17 @@ def main(argv=None) -> int:
             outs.append(out[0])
         tokens[name + "_chat"] = outs
         result["chat"][name] = {"ttft_s": ttfts, "cached_tokens": cached}
-    result["tokens_equal"] = tokens["cache"] == tokens["none"] and tokens["cache_chat"] == tokens["none_chat"]
+    result["no_hits"] = {}
+    distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
+    for name, eng in engines.items():  # nothing shared: what the cache costs when it never hits
+        out, ttfts, wall, cached = serve(eng, distinct, args.max_new)
+        tokens[name + "_none"] = out
+        result["no_hits"][name] = {"wall_s": wall, "tokens_per_s": sum(map(len, out)) / wall,
+                                   "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+                                   "cached_tokens": sum(cached)}
+    result["no_hits_throughput_ratio"] = (result["no_hits"]["cache"]["tokens_per_s"]
+                                          / result["no_hits"]["none"]["tokens_per_s"])
+    result["tokens_equal"] = all(tokens["cache" + w] == tokens["none" + w] for w in ("", "_chat", "_none"))
     result["prefix_cache_stats"] = engines["cache"].prefix_cache_stats()
     s = result["shared_system"]
     if s["cache"]["ttft_p50_s"] and s["none"]["ttft_p50_s"]:
@@ -114,7 +131,7 @@ def main(argv=None) -> int:
         result["together_throughput_ratio"] = s["cache"]["together_tokens_per_s"] / s["none"]["together_tokens_per_s"]
     write_json(args.out, result)
     print({k: v for k, v in result.items() if k in ("tokens_equal", "ttft_p50_ratio_cache_over_none",
-                                                     "together_throughput_ratio")})
+                                                     "together_throughput_ratio", "no_hits_throughput_ratio")})
     print("shared system:", {n: {k: round(v, 4) for k, v in e.items() if isinstance(v, float)}
                              for n, e in s.items()})
     print("chat ttft:", {n: [round(x, 3) for x in e["ttft_s"]] for n, e in result["chat"].items()})

@@ -460,7 +460,7 @@ class Engine:
             ids = np.full((c,), -1, np.int32)
             part = r.prompt[start : start + c]
             ids[: part.size] = part
-            self.state = self._mark_prompt(self.state, jnp.int32(r.slot), jnp.asarray(ids))
+            self.state = self._mark_prompt(self.state, np.int32(r.slot), jnp.asarray(ids))
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
     def _make_prefix_pools(self, layout, specs, state_out) -> None:
@@ -538,8 +538,8 @@ class Engine:
                 continue
             blocks = np.zeros((max_blocks,), np.int32)
             blocks[: len(hit.blocks)] = hit.blocks
-            self.state = self._restore(self.state, self._pool, jnp.int32(r.slot), jnp.asarray(blocks),
-                                       jnp.int32(len(hit.blocks)), jnp.int32(hit.snapshot))
+            self.state = self._restore(self.state, self._pool, np.int32(r.slot), jnp.asarray(blocks),
+                                       np.int32(len(hit.blocks)), np.int32(hit.snapshot))
             idx.used(hit)
             r.prefilled = r.cached = hit.tokens
 
@@ -547,7 +547,7 @@ class Engine:
         """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): hold its blocks
         and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies enqueued after the chunk that filled
         the slot, so any later restore reads them filled)."""
-        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), jnp.int32(r.slot))
+        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), np.int32(r.slot))
 
     def _publish_snapshot(self, keys: list[bytes], next_token: int, slot) -> None:
         """Hold ``slot``'s state at the boundary after ``keys``' blocks, with ``next_token`` at it: the blocks the
@@ -557,7 +557,7 @@ class Engine:
             return
         snap = idx.add_snapshot(keys, next_token)
         if snap is not None:
-            self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+            self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, np.int32(snap))
 
     def _save_missing_blocks(self, keys: list[bytes], slot) -> bool:
         """Copy ``slot``'s rows of each block of ``keys`` the pool lacks into it; False if the pool has no room."""
@@ -566,8 +566,8 @@ class Engine:
             block = idx.add_block(keys[i])
             if block is None:
                 return False
-            self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(i * g),
-                                                      jnp.int32(block))
+            self._pool, self.state = self._save_block(self._pool, self.state, slot, np.int32(i * g),
+                                                      np.int32(block))
         return True
 
     def _publish_state(self, r: _Request) -> None:
@@ -584,7 +584,7 @@ class Engine:
         m = length // g
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
-        keys, slot = _prefix.block_keys(seq, g, m), jnp.int32(r.slot)
+        keys, slot = _prefix.block_keys(seq, g, m), np.int32(r.slot)
         if length % g == 0:  # on the grid: a snapshot as a prompt's
             self._publish_snapshot(keys, int(seq[length]), slot)
             return
@@ -594,8 +594,8 @@ class Engine:
         if ids is None:
             return
         snap, block = ids
-        self._pool, self.state = self._save_block(self._pool, self.state, slot, jnp.int32(m * g), jnp.int32(block))
-        self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, jnp.int32(snap))
+        self._pool, self.state = self._save_block(self._pool, self.state, slot, np.int32(m * g), np.int32(block))
+        self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, np.int32(snap))
 
     def _publish_decoding(self, width: int) -> None:
         """After a device loop: each request still decoding whose committed length crossed a multiple of G since it
@@ -714,7 +714,7 @@ class Engine:
                 continue
             dst = np.full((self.num_slots,), self.num_slots, np.int32)
             dst[: len(waiting)] = [m.slot for m in waiting]
-            self.state = self._copy_carries(self.state, jnp.int32(lead.slot), jnp.asarray(dst))
+            self.state = self._copy_carries(self.state, np.int32(lead.slot), jnp.asarray(dst))
             for m in waiting:
                 m.waiting, m.prefilled = False, lead.prefilled
 
@@ -1062,18 +1062,18 @@ class Engine:
         admission), each as ``(jitted function, args(state, pool), returns the pool too)``, on ids past the slots
         and pools: calling them changes nothing."""
         n = self.num_slots
-        none, no_slot = jnp.full((n,), n, jnp.int32), jnp.int32(n)
+        none, no_slot = jnp.full((n,), n, jnp.int32), np.int32(n)
         zi, zf = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
         calls = []
         if len(self.slot_buckets) > 1:
             calls.append((self._move, lambda st, pl: (st, none, none), False))
-        calls.append((self._copy_carries, lambda st, pl: (st, jnp.int32(0), none), False))
+        calls.append((self._copy_carries, lambda st, pl: (st, np.int32(0), none), False))
         if self.prefix_cache is not None:
             idx = self.prefix_cache
             blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
-            calls += [(self._save_block, lambda st, pl: (pl, st, no_slot, jnp.int32(0), jnp.int32(idx.num_blocks)), True),
-                      (self._save_snapshot, lambda st, pl: (pl, st, no_slot, jnp.int32(idx.num_snapshots)), True),
-                      (self._restore, lambda st, pl: (st, pl, no_slot, blocks, jnp.int32(0), jnp.int32(0)), False)]
+            calls += [(self._save_block, lambda st, pl: (pl, st, no_slot, np.int32(0), np.int32(idx.num_blocks)), True),
+                      (self._save_snapshot, lambda st, pl: (pl, st, no_slot, np.int32(idx.num_snapshots)), True),
+                      (self._restore, lambda st, pl: (st, pl, no_slot, blocks, np.int32(0), np.int32(0)), False)]
         processing = {name: jnp.asarray(v) for name, v in steps.neutral_processing(n).items()}
         stops = jnp.full((n, self.state.stop_ids.shape[1]), -1, jnp.int32)
         calls += [(self._deactivate, lambda st, pl: (st, none), False),
