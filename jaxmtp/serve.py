@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    action="store_false", help="turn the prefix cache off (default on: a prompt that begins with an "
                    "earlier prompt's prefix resumes after it, same tokens; docs/engine.md, \"Prefix caching\")")
     g.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--prefix-cache-memory", type=_bytes_or_auto, default="auto", metavar="BYTES",
+    g.add_argument("--prefix-cache-memory", type=bytes_or_auto, default="auto", metavar="BYTES",
                    help="device memory for the prefix cache, e.g. 2GiB or 500MB (default auto: half what the memory "
                         "plan leaves free, at most every slot's whole context)")
     g.add_argument("--prefix-cache-granularity", type=int, default=None, metavar="TOKENS",
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def _bytes_or_auto(text: str):
+def bytes_or_auto(text: str):
     """``"auto"``, or a byte count with an optional unit (``2GiB``, ``500MB``, ``1048576``)."""
     import re
 

@@ -34,6 +34,7 @@ import jaxmtp  # noqa: E402
 from jaxmtp.benchmarking import run_metadata, write_json  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
 from jaxmtp.sampling import SamplingParams  # noqa: E402
+from jaxmtp.serve import bytes_or_auto  # noqa: E402
 
 
 def serve(eng: Engine, prompts, max_new: int):
@@ -66,8 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("-k", type=int, default=3)
-    ap.add_argument("--cache-memory", default="auto", help="the cached engine's pool, e.g. 8GiB (default auto; with "
-                    "two engines in one process give a size: auto sizes from the device as if the engine were alone)")
+    ap.add_argument("--cache-memory", type=bytes_or_auto, default="auto",
+                    help="the cached engine's pool, e.g. 8GiB (default auto; with two engines in one process give a "
+                    "size: auto sizes from the device as if the engine were alone)")
     ap.add_argument("--out", default="bench_prefix_cache.json")
     args = ap.parse_args(argv)
     if args.random_model:
@@ -79,9 +81,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size - 2
     context = args.system + args.turns * (args.user + args.max_new) + args.user + 64
     kw = dict(num_slots=args.slots, max_context=context, num_draft_tokens=args.k)
-    from jaxmtp.serve import _bytes_or_auto
-
-    engines = {"cache": Engine(model, prefix_cache_memory=_bytes_or_auto(args.cache_memory), **kw),
+    engines = {"cache": Engine(model, prefix_cache_memory=args.cache_memory, **kw),
                "none": Engine(model, **kw)}
     for eng in engines.values():
         eng.warmup()

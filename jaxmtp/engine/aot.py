@@ -161,8 +161,8 @@ class Store:
 
     def _evict(self) -> None:
         try:
-            entries = [e for e in os.scandir(self.directory) if e.name.endswith(".jaxexe")]
-            files = sorted(((e.stat().st_mtime, e.stat().st_size, e.path) for e in entries), reverse=True)
+            stats = [(e.stat(), e.path) for e in os.scandir(self.directory) if e.name.endswith(".jaxexe")]
+            files = sorted(((st.st_mtime, st.st_size, path) for st, path in stats), reverse=True)
         except OSError:
             return
         total = 0

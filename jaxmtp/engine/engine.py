@@ -302,8 +302,7 @@ class Engine:
         self._loops = {(w, mode): loop(w, mode) for w in self.slot_buckets for mode in _MODES}
         # what the loops and prefills compute beyond their arguments' shapes: the ahead-of-time store's key
         # (jaxmtp.engine.aot; with the source digest, versions and argument layouts it adds)
-        self._identity = ("jaxmtp.Engine", run_cfg, self.k, steps_per_sync, backend, str(jnp.dtype(model.dtype)),
-                          dp, oracle_probs is not None)
+        self._identity = ("jaxmtp.Engine", run_cfg, self.k, steps_per_sync, backend, str(jnp.dtype(model.dtype)), dp)
         # Every shape the engine can run (jaxmtp.engine.warmup). After warmup(background=True) the calls use only
         # the compiled ones (``_ready``), substituting a wider bucket or the sampling loop until the rest are done.
         self.executables = self._list_executables()
@@ -1021,13 +1020,13 @@ class Engine:
             later = [c for c in bookkeeping if c[0] in (self._move, self._copy_carries)]
             bookkeeping = [c for c in bookkeeping if c not in later]
         errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress,
-                                     extra=[(fn, make(self.state, self._pool)) for fn, make, _ in bookkeeping])
+                                     extra=[(fn, args()) for fn, args, _ in bookkeeping])
         if errors:
             e = errors[0]
             warnings.warn(f"compiling {workers} functions at a time failed ({type(e).__name__}: {str(e)[:200]}); "
                           "compiling the rest one at a time", RuntimeWarning, stacklevel=2)
         out = ()
-        for ex in [self.executables[k] for k in keys]:  # the threaded compiles failed: compile at a dummy call
+        for ex in [self.executables[k] for k in keys]:  # one whose threaded compile failed compiles at a dummy call
             if ex.compiled is not None:
                 self._ready.add(ex.key)
                 continue
@@ -1037,8 +1036,8 @@ class Engine:
                 jax.block_until_ready(out)
                 ex.seconds, ex.phase = time.perf_counter() - t, _warmup.BEFORE_SERVING
             self._ready.add(ex.key)
-        for fn, make, pool in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
-            out = fn(*make(self.state, self._pool))
+        for fn, args, pool in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
+            out = fn(*args())
             if pool:
                 self._pool, self.state = out
             else:
@@ -1053,33 +1052,34 @@ class Engine:
             self.background = _warmup.BackgroundCompiler(
                 [self.executables[k] for k in order], lambda: (self.model.params, self.state),
                 self._ready.add, idle=lambda: not self.has_work(),
-                extra=[(fn, functools.partial(lambda m: m(self.state, self._pool), make)) for fn, make, _ in later]
-            ).start()
+                extra=[(fn, args) for fn, args, _ in later]).start()
         return self.warmup_seconds
 
     def _bookkeeping_calls(self) -> list[tuple]:
         """The small functions every request uses (slot moves, the samples' copy, the prefix cache's copies,
-        admission), each as ``(jitted function, args(state, pool), returns the pool too)``, on ids past the slots
-        and pools: calling them changes nothing."""
+        admission), each as ``(jitted function, args() on the current state and pool, returns the pool too)``, on
+        ids past the slots and pools: calling them changes nothing."""
         n = self.num_slots
         none, no_slot = jnp.full((n,), n, jnp.int32), np.int32(n)
         zi, zf = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
         calls = []
         if len(self.slot_buckets) > 1:
-            calls.append((self._move, lambda st, pl: (st, none, none), False))
-        calls.append((self._copy_carries, lambda st, pl: (st, np.int32(0), none), False))
+            calls.append((self._move, lambda: (self.state, none, none), False))
+        calls.append((self._copy_carries, lambda: (self.state, np.int32(0), none), False))
         if self.prefix_cache is not None:
             idx = self.prefix_cache
             blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
-            calls += [(self._save_block, lambda st, pl: (pl, st, no_slot, np.int32(0), np.int32(idx.num_blocks)), True),
-                      (self._save_snapshot, lambda st, pl: (pl, st, no_slot, np.int32(idx.num_snapshots)), True),
-                      (self._restore, lambda st, pl: (st, pl, no_slot, blocks, np.int32(0), np.int32(0)), False)]
+            calls += [
+                (self._save_block, lambda: (self._pool, self.state, no_slot, np.int32(0), np.int32(idx.num_blocks)),
+                 True),
+                (self._save_snapshot, lambda: (self._pool, self.state, no_slot, np.int32(idx.num_snapshots)), True),
+                (self._restore, lambda: (self.state, self._pool, no_slot, blocks, np.int32(0), np.int32(0)), False)]
         processing = {name: jnp.asarray(v) for name, v in steps.neutral_processing(n).items()}
         stops = jnp.full((n, self.state.stop_ids.shape[1]), -1, jnp.int32)
-        calls += [(self._deactivate, lambda st, pl: (st, none), False),
-                  (self._admit, lambda st, pl: (st, none, zi, zf, zi, zf + 1, zi.astype(jnp.uint32),
-                                                zi.astype(jnp.uint32), stops, processing), False),
-                  (self._mark_prompt, lambda st, pl: (st, no_slot, jnp.full((self.prefill_chunk,), -1, jnp.int32)),
+        calls += [(self._deactivate, lambda: (self.state, none), False),
+                  (self._admit, lambda: (self.state, none, zi, zf, zi, zf + 1, zi.astype(jnp.uint32),
+                                         zi.astype(jnp.uint32), stops, processing), False),
+                  (self._mark_prompt, lambda: (self.state, no_slot, jnp.full((self.prefill_chunk,), -1, jnp.int32)),
                    False)]
         return calls
 
