@@ -13,10 +13,14 @@ one without, alternating:
 * **multi-turn chat:** ``--turns`` turns on a growing history (each prompt = the previous prompt + its answer + a
   new ``--user``-token message); TTFT of each turn;
 * **no hits:** ``--requests`` - 1 distinct prompts of ``--system`` + ``--user`` tokens sharing nothing, all together
-  (the cost of the cache when it never helps: publishing snapshots, the index; wall time, output tokens/s, TTFT).
+  (the cost of the cache when it never helps: publishing snapshots, the index; wall time, output tokens/s, TTFT),
+  ``--rounds`` rounds with the engines alternating, new prompts each round; the ratio is of the median rounds.
+
+``--workloads`` picks some of them (``shared``, ``chat``, ``none``).
 
 Token ids are random (the model's vocabulary), so the outputs are not meaningful text; with the cache the tokens
-must equal those without (checked, reported as ``tokens_equal``). JSON as the other benchmarks.
+must equal those without (checked per workload: ``tokens_equal``, and ``equal_token_share``, the share of tokens before
+each request's first difference). JSON as the other benchmarks.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ def serve(eng: Engine, prompts, max_new: int):
     return [out[r] for r in rids], [first[r] for r in rids], time.perf_counter() - t0, [cached[r] for r in rids]
 
 
+def equal_share(a: list[list[int]], b: list[list[int]]) -> float:
+    """Tokens two runs' outputs (one list per request) share before each request's first difference, over all."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
+    return same / max(1, sum(map(len, a)))
+
+
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
@@ -70,8 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-memory", type=bytes_or_auto, default="auto",
                     help="the cached engine's pool, e.g. 8GiB (default auto; with two engines in one process give a "
                     "size: auto sizes from the device as if the engine were alone)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the no-hit workload, the engines alternating")
+    ap.add_argument("--workloads", default="shared,chat,none",
+                    help="which to run, comma-separated: shared (system prompt), chat, none (no hits)")
     ap.add_argument("--out", default="bench_prefix_cache.json")
     args = ap.parse_args(argv)
+    workloads = set(args.workloads.split(","))
+    if not workloads or not workloads <= {"shared", "chat", "none"}:
+        ap.error(f"--workloads takes shared, chat and none, got {args.workloads!r}")
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
@@ -90,19 +106,19 @@ def main(argv=None) -> int:
     questions = [rng.integers(0, vocab, args.user).tolist() for _ in range(args.requests)]
     messages = [rng.integers(0, vocab, args.user).tolist() for _ in range(args.turns)]
     result = {**run_metadata(), "args": vars(args), "model": model.path or args.random_model,
-              "cache_pool_bytes": engines["cache"].plan.prefix_cache, "shared_system": {}, "chat": {}}
+              "cache_pool_bytes": engines["cache"].plan.prefix_cache}
     tokens = {}
-    for name, eng in engines.items():  # shared system prompt
+    for name, eng in engines.items() if "shared" in workloads else ():  # shared system prompt
         first, ttft1, _, _ = serve(eng, [system + questions[0]], args.max_new)
         seq = [serve(eng, [system + q], args.max_new) for q in questions[1:]]
         together = serve(eng, [system + q for q in questions[1:]], args.max_new)
-        tokens[name] = [first[0]] + [s[0][0] for s in seq] + together[0]
+        tokens[name, "shared"] = [first[0]] + [s[0][0] for s in seq] + together[0]
         ttfts = [s[1][0] for s in seq]
-        result["shared_system"][name] = {
+        result.setdefault("shared_system", {})[name] = {
             "first_ttft_s": ttft1[0], "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
             "cached_tokens": [s[3][0] for s in seq], "together_wall_s": together[2],
             "together_tokens_per_s": sum(map(len, together[0])) / together[2]}
-    for name, eng in engines.items():  # multi-turn chat
+    for name, eng in engines.items() if "chat" in workloads else ():  # multi-turn chat
         history, ttfts, cached, outs = system[:256], [], [], []  # a chat with a short system prompt of its own
         for msg in messages:
             history = history + msg
@@ -111,30 +127,40 @@ def main(argv=None) -> int:
             ttfts.append(ttft[0])
             cached.append(c[0])
             outs.append(out[0])
-        tokens[name + "_chat"] = outs
-        result["chat"][name] = {"ttft_s": ttfts, "cached_tokens": cached}
-    result["no_hits"] = {}
+        tokens[name, "chat"] = outs
+        result.setdefault("chat", {})[name] = {"ttft_s": ttfts, "cached_tokens": cached}
     distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
-    for name, eng in engines.items():  # nothing shared: what the cache costs when it never hits
-        out, ttfts, wall, cached = serve(eng, distinct, args.max_new)
-        tokens[name + "_none"] = out
-        result["no_hits"][name] = {"wall_s": wall, "tokens_per_s": sum(map(len, out)) / wall,
-                                   "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
-                                   "cached_tokens": sum(cached)}
-    result["no_hits_throughput_ratio"] = (result["no_hits"]["cache"]["tokens_per_s"]
-                                          / result["no_hits"]["none"]["tokens_per_s"])
-    result["tokens_equal"] = all(tokens["cache" + w] == tokens["none" + w] for w in ("", "_chat", "_none"))
+    for _ in range(args.rounds) if "none" in workloads else ():  # nothing shared: the cache's cost alone
+        for name, eng in engines.items():  # alternating, on prompts no round has seen (the cache never hits)
+            out, ttfts, wall, cached = serve(eng, distinct, args.max_new)
+            tokens[name, "none"] = out
+            runs = result.setdefault("no_hits", {}).setdefault(name, [])
+            runs.append({"wall_s": wall, "tokens_per_s": sum(map(len, out)) / wall, "ttft_p50_s": pct(ttfts, 50),
+                         "ttft_p99_s": pct(ttfts, 99), "cached_tokens": sum(cached)})
+        distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
+    if "no_hits" in result:  # the median round's throughput of each
+        median = {n: float(np.median([r["tokens_per_s"] for r in runs])) for n, runs in result["no_hits"].items()}
+        result["no_hits_throughput_ratio"] = median["cache"] / median["none"]
+    # per workload: whether the outputs with the cache equal those without, and the share of equal tokens
+    result["tokens_equal"] = {w: tokens["cache", w] == tokens["none", w] for _, w in tokens if _ == "cache"}
+    result["equal_token_share"] = {w: equal_share(tokens["cache", w], tokens["none", w])
+                                   for _, w in tokens if _ == "cache"}
     result["prefix_cache_stats"] = engines["cache"].prefix_cache_stats()
-    s = result["shared_system"]
-    if s["cache"]["ttft_p50_s"] and s["none"]["ttft_p50_s"]:
+    s = result.get("shared_system")
+    if s and s["cache"]["ttft_p50_s"] and s["none"]["ttft_p50_s"]:
         result["ttft_p50_ratio_cache_over_none"] = s["cache"]["ttft_p50_s"] / s["none"]["ttft_p50_s"]
         result["together_throughput_ratio"] = s["cache"]["together_tokens_per_s"] / s["none"]["together_tokens_per_s"]
     write_json(args.out, result)
     print({k: v for k, v in result.items() if k in ("tokens_equal", "ttft_p50_ratio_cache_over_none",
                                                      "together_throughput_ratio", "no_hits_throughput_ratio")})
-    print("shared system:", {n: {k: round(v, 4) for k, v in e.items() if isinstance(v, float)}
-                             for n, e in s.items()})
-    print("chat ttft:", {n: [round(x, 3) for x in e["ttft_s"]] for n, e in result["chat"].items()})
+    if s:
+        print("shared system:", {n: {k: round(v, 4) for k, v in e.items() if isinstance(v, float)}
+                                 for n, e in s.items()})
+    if "chat" in result:
+        print("chat ttft:", {n: [round(x, 3) for x in e["ttft_s"]] for n, e in result["chat"].items()})
+    if "no_hits" in result:
+        print("no hits, tokens/s per round:", {n: [round(r["tokens_per_s"], 2) for r in runs]
+                                               for n, runs in result["no_hits"].items()})
     return 0
 
 

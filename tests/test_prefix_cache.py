@@ -14,7 +14,10 @@ import pytest
 
 import jaxmtp
 from jaxmtp.engine import Engine, EngineConfigError
+from jaxmtp.engine import prefix_cache
 from jaxmtp.engine.prefix_cache import PrefixIndex, block_keys
+from jaxmtp.layers.attention import KVCache
+from jaxmtp.layers.gated_deltanet import GDNCarry
 from jaxmtp.sampling import SamplingParams
 
 G = 16  # granularity (= the prefill chunk here, so short prompts cross several boundaries)
@@ -165,6 +168,51 @@ def test_the_index_keys_by_ids_and_the_boundary_token_and_evicts_least_recent_fi
     assert idx.evictions == 1
 
 
+def test_a_batch_of_copies_lands_in_order_as_numpy_copies_it(rng):
+    """``save`` applies a publication batch as the same copies made one by one in numpy, in order: a later entry
+    that reuses an id wins; entries past the counts write nothing."""
+    slots, ctx, g, n_blocks, n_snaps = 3, 64, 8, 5, 4
+    kv = [KVCache(*(rng.standard_normal((slots, 2, ctx, 4)).astype(np.float32) for _ in range(2))) for _ in range(2)]
+    gdn = [GDNCarry(rng.standard_normal((slots, 3, 6)).astype(np.float32),
+                    rng.standard_normal((slots, 2, 4, 4)).astype(np.float32)) for _ in range(2)]
+
+    class State:  # the fields the copies read: the carries in layer order, the MTP layer's KV
+        carry, mtp_carry = (kv[0], gdn[0], gdn[1]), (kv[1],)
+
+    pool = prefix_cache.init_pool(State, g, n_blocks, n_snaps)
+    pool = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), pool)
+    blocks = np.array([[2, 16, 1], [0, 0, 3], [1, 40, 1], [2, 8, 0], [0, 0, 4]], np.int32)  # id 1 twice
+    snaps = np.array([[1, 2], [0, 3], [2, 2], [1, 0]], np.int32)  # id 2 twice
+    got = jax.jit(lambda pool, *a: prefix_cache.save(pool, State, *a))(pool, blocks, np.int32(4), snaps, np.int32(3))
+    want = jax.tree.map(np.array, pool)
+    for slot, start, block in blocks[:4]:
+        for (pk, pv), c in zip(want["kv"], kv):
+            pk[block], pv[block] = c.k[slot, :, start : start + g], c.v[slot, :, start : start + g]
+    for slot, snap in snaps[:3]:
+        for (pc, ps), c in zip(want["gdn"], gdn):
+            pc[snap], ps[snap] = c.conv[slot], c.state[slot]
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_full_publication_batch_is_handed_over_early_and_stays_exact(models, rng):
+    """A publication queue of one block and one snapshot (each site's copies in several calls) and a pool of a few
+    entries (ids reused): hits still give the tokens of a cold cache."""
+    model = models["dense"]
+    vocab = model.config.vocab_size - 2
+    shared = rng.integers(0, vocab, 3 * G + 3).tolist()
+    prompts = [shared + rng.integers(0, vocab, n).tolist() for n in (4, 9)]
+    cold = [_run(_engine(model, 2, cache_bytes=0), [p], _params(1))[0][0] for p in prompts]
+    eng = _engine(model, 2, cache_bytes=1 << 20)
+    eng._publications = prefix_cache.Publications(max_blocks=1, max_snaps=1)
+    calls = []
+    save = eng._save
+    eng._save = lambda *a: calls.append(a[2:]) or save(*a)
+    got, cached = zip(*[_run(eng, [p], _params(1)) for p in prompts])
+    assert [g[0] for g in got] == cold and cached[1][0] == 3 * G, cached
+    assert len(calls) >= 3 and all(int(n_b) + int(n_s) == 1 for _, n_b, _, n_s in calls)
+
+
 def test_the_server_reports_cached_tokens_and_counters(checkpoint_factory, rng):
     """On by default in the server: a repeated prompt is served from the cache with the same tokens, and gRPC usage,
     GetServerStats, the HTTP API's usage and /metrics say so."""
@@ -201,14 +249,15 @@ def test_the_server_reports_cached_tokens_and_counters(checkpoint_factory, rng):
 
 
 def test_the_warm_up_compiles_the_copies_and_changes_nothing(models):
-    """The warm-up runs the cache's three copies on ids past the slots and pools: compiled, the pools untouched."""
+    """The warm-up runs the cache's two copies on nothing (an empty batch, a slot past the slots): compiled, the
+    pools untouched."""
     eng = _engine(models["dense"], 2)
     before = jax.device_get(eng._pool)
     eng.warmup()
     after = jax.device_get(eng._pool)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
                                                     jax.tree_util.tree_leaves(after)))
-    assert all(f._cache_size() >= 1 for f in (eng._save_block, eng._save_snapshot, eng._restore))
+    assert all(f._cache_size() >= 1 for f in (eng._save, eng._restore))
 
 
 @pytest.mark.parametrize("kind,k", [("dense", 3), ("next", 2)])

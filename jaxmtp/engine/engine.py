@@ -463,37 +463,35 @@ class Engine:
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
     def _make_prefix_pools(self, layout, specs, state_out) -> None:
-        """The prefix cache's device pools and its three jitted copies. On a mesh (``specs`` / ``state_out``: the
-        state's partition specs and shardings) the pools split over the ranks as the carries they copy and are whole
-        on each replica; under data parallelism the copies run in a ``shard_map`` (each replica reads and writes its
-        own slots; a saved entry reaches every replica's pool)."""
+        """The prefix cache's device pools, its publication queue and its two jitted copies. On a mesh (``specs`` /
+        ``state_out``: the state's partition specs and shardings) the pools split over the ranks as the carries they
+        copy and are whole on each replica; under data parallelism the copies run in a ``shard_map`` (each replica
+        reads and writes its own slots; a saved entry reaches every replica's pool)."""
         g, idx = self.prefix_cache.granularity, self.prefix_cache
         make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
                                       num_snapshots=idx.num_snapshots)
-        save_block, save_snapshot, restore = _prefix.save_block, _prefix.save_snapshot, _prefix.restore
-        placed = {}
+        save, restore = _prefix.save, _prefix.restore
+        save_out, restore_out = {}, {}
         if layout is None:
             self._pool = make_pool(self.state)
         else:
             pool_specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
             pool_out = jax.tree.map(layout.sharding, pool_specs)
             self._pool = jax.jit(lambda: make_pool(self.state), out_shardings=pool_out)()
-            placed = {"out_shardings": (pool_out, state_out)}
+            save_out, restore_out = {"out_shardings": pool_out}, {"out_shardings": state_out}
             if layout.dp > 1:
                 def on_replicas(fn, n_args, returns_pool=True):
                     io = (pool_specs, specs) if returns_pool else (specs, pool_specs)
                     return jax.shard_map(functools.partial(fn, dp_axis=DP), mesh=layout.mesh,
                                          in_specs=io + (P(),) * n_args, out_specs=io[0], check_vma=False)
 
-                save_block, save_snapshot = on_replicas(save_block, 3), on_replicas(save_snapshot, 2)
-                restore = on_replicas(restore, 4, returns_pool=False)
-
-        def passing_state(fn):  # the state passes through, donated: no call reads a buffer a later one donates
-            return jax.jit(lambda pool, state, *a: (fn(pool, state, *a), state), donate_argnums=(0, 1), **placed)
-
-        self._save_block = passing_state(save_block)
-        self._save_snapshot = passing_state(save_snapshot)
-        self._restore = jax.jit(restore, donate_argnums=0, **({"out_shardings": state_out} if placed else {}))
+                save, restore = on_replicas(save, 4), on_replicas(restore, 4, returns_pool=False)
+        # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call.
+        rows = self.max_prefill_batch * self.data_parallel
+        self._publications = _prefix.Publications(max_blocks=max(64, 2 * rows), max_snaps=max(16, rows))
+        # The state is read, not donated: a later call that donates it waits for this one (JAX orders them).
+        self._save = jax.jit(save, donate_argnums=0, **save_out)
+        self._restore = jax.jit(restore, donate_argnums=0, **restore_out)
 
     def _plan_prefix_cache(self, memory, granularity: int, available: int | None) -> None:
         """Size the prefix cache's pools to ``memory`` bytes, half for KV blocks and half for GDN snapshots, and add
@@ -544,11 +542,11 @@ class Engine:
 
     def _publish_prefix(self, r: _Request, end: int) -> None:
         """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): hold its blocks
-        and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies enqueued after the chunk that filled
-        the slot, so any later restore reads them filled)."""
-        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), np.int32(r.slot))
+        and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies queued after the chunk that filled the
+        slot; :meth:`_flush_publications` runs them before any restore reads them)."""
+        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), r.slot)
 
-    def _publish_snapshot(self, keys: list[bytes], next_token: int, slot) -> None:
+    def _publish_snapshot(self, keys: list[bytes], next_token: int, slot: int) -> None:
         """Hold ``slot``'s state at the boundary after ``keys``' blocks, with ``next_token`` at it: the blocks the
         pool lacks, then the snapshot (unless held already, or the pools have no room)."""
         idx = self.prefix_cache
@@ -556,17 +554,33 @@ class Engine:
             return
         snap = idx.add_snapshot(keys, next_token)
         if snap is not None:
-            self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, np.int32(snap))
+            self._queue_copy(snapshot=(slot, snap))
 
-    def _save_missing_blocks(self, keys: list[bytes], slot) -> bool:
-        """Copy ``slot``'s rows of each block of ``keys`` the pool lacks into it; False if the pool has no room."""
+    def _queue_copy(self, block=None, snapshot=None) -> None:
+        """Queue a copy of ``block`` (slot, start, block id) or ``snapshot`` (slot, snapshot id) into the pools."""
+        q = self._publications
+        if q.full():
+            self._flush_publications()
+        if block is not None:
+            q.block(*block)
+        else:
+            q.snapshot(*snapshot)
+
+    def _flush_publications(self) -> None:
+        """Run the queued copies (one :func:`prefix_cache.save` call): every publishing site ends with this, so
+        nothing queued outlives the state it reads."""
+        args = self._publications.take() if self.prefix_cache is not None else None
+        if args is not None:
+            self._pool = self._save(self._pool, self.state, *args)
+
+    def _save_missing_blocks(self, keys: list[bytes], slot: int) -> bool:
+        """Queue copies of ``slot``'s rows of each block of ``keys`` the pool lacks; False if the pool has no room."""
         idx, g = self.prefix_cache, self.prefix_cache.granularity
         for i in idx.missing_blocks(keys):
             block = idx.add_block(keys[i])
             if block is None:
                 return False
-            self._pool, self.state = self._save_block(self._pool, self.state, slot, np.int32(i * g),
-                                                      np.int32(block))
+            self._queue_copy(block=(slot, i * g, block))
         return True
 
     def _publish_state(self, r: _Request) -> None:
@@ -574,7 +588,7 @@ class Engine:
         or its budget): its slot holds exactly its prompt and output but the last token (steps commit what they emit),
         a final state, so hold it for a later prompt that continues the text: whole blocks as for prompts, the rows
         past the last boundary as a block of their own, and a snapshot keyed by every id and the last token
-        (:meth:`PrefixIndex.add_tail_snapshot`)."""
+        (:meth:`PrefixIndex.add_tail_snapshot`). The copies are queued (:meth:`_flush_publications`)."""
         if self.prefix_cache is None:
             return
         idx, g = self.prefix_cache, self.prefix_cache.granularity
@@ -583,18 +597,18 @@ class Engine:
         m = length // g
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
-        keys, slot = _prefix.block_keys(seq, g, m), np.int32(r.slot)
+        keys = _prefix.block_keys(seq, g, m)
         if length % g == 0:  # on the grid: a snapshot as a prompt's
-            self._publish_snapshot(keys, int(seq[length]), slot)
+            self._publish_snapshot(keys, int(seq[length]), r.slot)
             return
-        if not self._save_missing_blocks(keys, slot):
+        if not self._save_missing_blocks(keys, r.slot):
             return
         ids = idx.add_tail_snapshot(keys, seq[m * g : length], seq[length])
         if ids is None:
             return
         snap, block = ids
-        self._pool, self.state = self._save_block(self._pool, self.state, slot, np.int32(m * g), np.int32(block))
-        self._pool, self.state = self._save_snapshot(self._pool, self.state, slot, np.int32(snap))
+        self._queue_copy(block=(r.slot, m * g, block))
+        self._queue_copy(snapshot=(r.slot, snap))
 
     def _publish_decoding(self, width: int) -> None:
         """After a device loop: each request still decoding whose committed length crossed a multiple of G since it
@@ -774,6 +788,7 @@ class Engine:
                 if not fin and end % self.prefix_cache.granularity == 0:
                     self._publish_prefix(r, end)
         if not final.any():
+            self._flush_publications()
             return False
         first, finished, reason = np.asarray(first), np.asarray(finished), np.asarray(reason)
         if any(r.params.logprobs is not None for r in group):
@@ -794,6 +809,7 @@ class Engine:
                 self._publish_state(r)
             if r.done:
                 done_slots.append(r.slot)
+        self._flush_publications()
         self._free(done_slots)
         return True
 
@@ -931,6 +947,7 @@ class Engine:
                     self._publish_state(r)
         if self.prefix_cache is not None:
             self._publish_decoding(width)
+            self._flush_publications()
         for s, r in enumerate(self._slots):
             if r is not None and r.done:
                 done_slots.append(s)
@@ -1036,12 +1053,8 @@ class Engine:
                 jax.block_until_ready(out)
                 ex.seconds, ex.phase = time.perf_counter() - t, _warmup.BEFORE_SERVING
             self._ready.add(ex.key)
-        for fn, args, pool in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
-            out = fn(*args())
-            if pool:
-                self._pool, self.state = out
-            else:
-                self.state = out
+        for fn, args, returns in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
+            setattr(self, "_pool" if returns == "pool" else "state", fn(*args()))
         jax.block_until_ready(self.state.length)
         self.warmup_seconds = time.perf_counter() - t0
         rest = [ex for ex in self.executables.values() if not ex.ready]
@@ -1057,30 +1070,29 @@ class Engine:
 
     def _bookkeeping_calls(self) -> list[tuple]:
         """The small functions every request uses (slot moves, the samples' copy, the prefix cache's copies,
-        admission), each as ``(jitted function, args() on the current state and pool, returns the pool too)``, on
-        ids past the slots and pools: calling them changes nothing."""
+        admission), each as ``(jitted function, args() on the current state and pool, "state" or "pool": what it
+        returns)``, on ids past the slots and pools or with nothing to copy: calling them changes nothing."""
         n = self.num_slots
         none, no_slot = jnp.full((n,), n, jnp.int32), np.int32(n)
         zi, zf = jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)
         calls = []
         if len(self.slot_buckets) > 1:
-            calls.append((self._move, lambda: (self.state, none, none), False))
-        calls.append((self._copy_carries, lambda: (self.state, np.int32(0), none), False))
+            calls.append((self._move, lambda: (self.state, none, none), "state"))
+        calls.append((self._copy_carries, lambda: (self.state, np.int32(0), none), "state"))
         if self.prefix_cache is not None:
             idx = self.prefix_cache
             blocks = jnp.zeros(((self.max_context + self.k) // idx.granularity,), jnp.int32)
+            q = self._publications
             calls += [
-                (self._save_block, lambda: (self._pool, self.state, no_slot, np.int32(0), np.int32(idx.num_blocks)),
-                 True),
-                (self._save_snapshot, lambda: (self._pool, self.state, no_slot, np.int32(idx.num_snapshots)), True),
-                (self._restore, lambda: (self.state, self._pool, no_slot, blocks, np.int32(0), np.int32(0)), False)]
+                (self._save, lambda: (self._pool, self.state, q.blocks, np.int32(0), q.snaps, np.int32(0)), "pool"),
+                (self._restore, lambda: (self.state, self._pool, no_slot, blocks, np.int32(0), np.int32(0)), "state")]
         processing = {name: jnp.asarray(v) for name, v in steps.neutral_processing(n).items()}
         stops = jnp.full((n, self.state.stop_ids.shape[1]), -1, jnp.int32)
-        calls += [(self._deactivate, lambda: (self.state, none), False),
+        calls += [(self._deactivate, lambda: (self.state, none), "state"),
                   (self._admit, lambda: (self.state, none, zi, zf, zi, zf + 1, zi.astype(jnp.uint32),
-                                         zi.astype(jnp.uint32), stops, processing), False),
+                                         zi.astype(jnp.uint32), stops, processing), "state"),
                   (self._mark_prompt, lambda: (self.state, no_slot, jnp.full((self.prefill_chunk,), -1, jnp.int32)),
-                   False)]
+                   "state")]
         return calls
 
     def keys_for_request(self, prompt_len: int, sampling) -> list[tuple]:

@@ -16,9 +16,9 @@ Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of 
 block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
 eviction (a block is evictable once no snapshot holds it). Device side: the block pool ``[blocks, Hkv, G, D]`` per
 attention layer (target, then MTP) and the snapshot pool ``[snapshots, ...]`` per GDN layer, written and read by
-three fixed-shape jitted copies (:func:`save_block`, :func:`save_snapshot`, :func:`restore`), so no hit length
-compiles anything new. The copies are data-dependent on the state and the pools, so a restore always reads what
-the save it follows wrote (published entries are never read before they are filled).
+two fixed-shape jitted copies (:func:`save`: a batch of blocks and snapshots, one call per publishing site;
+:func:`restore`), so no hit length or batch compiles anything new. The copies are data-dependent on the pools, so a
+restore always reads what the save before it wrote (published entries are never read before they are filled).
 """
 
 from __future__ import annotations
@@ -274,30 +274,66 @@ def _from_owner(x, mine, dp_axis):
     return x if dp_axis is None else jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), dp_axis)
 
 
-def save_block(pool: dict, state, slot, start, block, dp_axis=None):
-    """Copy KV rows ``[start, start + G)`` of ``slot`` (every attention layer) into pool block ``block`` (an id past
-    the pool writes nothing: the warm-up's call). ``dp_axis``: inside a data-parallel ``shard_map``, every replica's
-    pool receives the entry from the replica holding the slot."""
-    slot, mine = _owner(state, slot, dp_axis)
-    kv = []
-    for (pk, pv), c in zip(pool["kv"], _kv_layers(state)):
-        kv.append(tuple(p.at[block].set(_from_owner(_rows(a, slot, start, p.shape[2]), mine, dp_axis), mode="drop")
-                        for p, a in ((pk, c.k), (pv, c.v))))
-    return {"kv": kv, "gdn": pool["gdn"]}
+def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
+    """The pools with the entries of one publication batch copied in, in order (a later entry may reuse an id an
+    earlier one held: it wins, as the index assigned them): for i < ``n_blocks``, KV rows ``[start, start + G)`` of
+    ``slot`` (every attention layer) into block ``id``, ``blocks [n, 3]`` int32 rows (slot, start, id); for j <
+    ``n_snaps``, ``slot``'s GDN conv rings and states into snapshot ``id``, ``snaps [m, 2]`` rows (slot, id). Fixed
+    shapes, counts as arguments: one compiled copy for every batch. ``state`` is only read (the pools are donated).
+    ``dp_axis``: inside a data-parallel ``shard_map``, every replica's pool receives each entry from the replica
+    holding its slot."""
+
+    def put_block(i, kv):
+        slot, mine = _owner(state, blocks[i, 0], dp_axis)
+        out = []
+        for (pk, pv), c in zip(kv, _kv_layers(state)):
+            out.append(tuple(jax.lax.dynamic_update_slice(
+                p, _from_owner(_rows(a, slot, blocks[i, 1], p.shape[2]), mine, dp_axis)[None], (blocks[i, 2], 0, 0, 0))
+                for p, a in ((pk, c.k), (pv, c.v))))
+        return out
+
+    def put_snapshot(j, gdn):
+        slot, mine = _owner(state, snaps[j, 0], dp_axis)
+
+        def put(p, a):
+            row = jax.lax.dynamic_index_in_dim(a, jnp.minimum(slot, a.shape[0] - 1), keepdims=True)
+            return jax.lax.dynamic_update_index_in_dim(p, _from_owner(row, mine, dp_axis), snaps[j, 1], 0)
+
+        return [(put(pc, c.conv), put(ps, c.state)) for (pc, ps), c in zip(gdn, _gdn_layers(state))]
+
+    kv = jax.lax.fori_loop(0, n_blocks, put_block, [tuple(x) for x in pool["kv"]]) if pool["kv"] else pool["kv"]
+    gdn = jax.lax.fori_loop(0, n_snaps, put_snapshot, [tuple(x) for x in pool["gdn"]]) if pool["gdn"] else pool["gdn"]
+    return {"kv": kv, "gdn": gdn}
 
 
-def save_snapshot(pool: dict, state, slot, snap, dp_axis=None):
-    """Copy ``slot``'s GDN conv rings and states into pool snapshot ``snap`` (an id past the pool writes nothing);
-    ``dp_axis`` as :func:`save_block`."""
-    slot, mine = _owner(state, slot, dp_axis)
+class Publications:
+    """Host-side queue of the copies a publishing site enqueues (:meth:`block`, :meth:`snapshot`), handed to the
+    device as one :func:`save` call by :meth:`flush` (or earlier when the fixed-size batch is full). The caller
+    flushes before anything changes the state they read or reads the pools they write."""
 
-    def read(a):
-        return _from_owner(jax.lax.dynamic_index_in_dim(a, jnp.minimum(slot, a.shape[0] - 1), keepdims=False),
-                           mine, dp_axis)
+    def __init__(self, max_blocks: int, max_snaps: int):
+        self.blocks = np.zeros((max_blocks, 3), np.int32)
+        self.snaps = np.zeros((max_snaps, 2), np.int32)
+        self.n_blocks = self.n_snaps = 0
 
-    gdn = [(pc.at[snap].set(read(c.conv), mode="drop"), ps.at[snap].set(read(c.state), mode="drop"))
-           for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state))]
-    return {"kv": pool["kv"], "gdn": gdn}
+    def full(self) -> bool:
+        return self.n_blocks == len(self.blocks) or self.n_snaps == len(self.snaps)
+
+    def block(self, slot: int, start: int, block: int) -> None:
+        self.blocks[self.n_blocks] = slot, start, block
+        self.n_blocks += 1
+
+    def snapshot(self, slot: int, snap: int) -> None:
+        self.snaps[self.n_snaps] = slot, snap
+        self.n_snaps += 1
+
+    def take(self) -> tuple | None:
+        """The batch as :func:`save`'s arguments after ``pool, state`` (None when empty), emptying the queue."""
+        if not (self.n_blocks or self.n_snaps):
+            return None
+        args = (self.blocks.copy(), np.int32(self.n_blocks), self.snaps.copy(), np.int32(self.n_snaps))
+        self.n_blocks = self.n_snaps = 0
+        return args
 
 
 def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None):
@@ -328,5 +364,5 @@ def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None):
     return state.replace(carry=carry, mtp_carry=tuple(KVCache(*next(kv_it)) for _ in state.mtp_carry))
 
 
-__all__ = ["Hit", "PrefixIndex", "block_keys", "init_pool", "pool_bytes_per_entry", "restore", "save_block",
-           "save_snapshot"]
+__all__ = ["Hit", "PrefixIndex", "Publications", "block_keys", "init_pool", "pool_bytes_per_entry", "restore",
+           "save"]
