@@ -168,9 +168,9 @@ def test_the_index_keys_by_ids_and_the_boundary_token_and_evicts_least_recent_fi
     assert idx.evictions == 1
 
 
-def test_a_batch_of_copies_lands_in_order_as_numpy_copies_it(rng):
-    """``save`` applies a publication batch as the same copies made one by one in numpy, in order: a later entry
-    that reuses an id wins; entries past the counts write nothing."""
+def test_a_batch_of_copies_lands_as_numpy_copies_made_in_order(rng):
+    """A publication batch (``Publications`` queue, then one ``save`` call) leaves the pools as the same copies made
+    one by one in numpy, in queue order: an id queued twice keeps its later copy; the rest of the pools stays."""
     slots, ctx, g, n_blocks, n_snaps = 3, 64, 8, 5, 4
     kv = [KVCache(*(rng.standard_normal((slots, 2, ctx, 4)).astype(np.float32) for _ in range(2))) for _ in range(2)]
     gdn = [GDNCarry(rng.standard_normal((slots, 3, 6)).astype(np.float32),
@@ -181,14 +181,21 @@ def test_a_batch_of_copies_lands_in_order_as_numpy_copies_it(rng):
 
     pool = prefix_cache.init_pool(State, g, n_blocks, n_snaps)
     pool = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), pool)
-    blocks = np.array([[2, 16, 1], [0, 0, 3], [1, 40, 1], [2, 8, 0], [0, 0, 4]], np.int32)  # id 1 twice
-    snaps = np.array([[1, 2], [0, 3], [2, 2], [1, 0]], np.int32)  # id 2 twice
-    got = jax.jit(lambda pool, *a: prefix_cache.save(pool, State, *a))(pool, blocks, np.int32(4), snaps, np.int32(3))
+    blocks = [(2, 16, 1), (0, 0, 3), (1, 40, 1), (2, 8, 0)]  # block id 1 twice
+    snaps = [(1, 2), (0, 3), (2, 2)]  # snapshot id 2 twice
+    queue = prefix_cache.Publications(max_blocks=6, max_snaps=4)
+    for b in blocks:
+        queue.block(*b)
+    for sn in snaps:
+        queue.snapshot(*sn)
+    args = queue.take()
+    assert queue.take() is None and (int(args[1]), int(args[3])) == (3, 2)
+    got = jax.jit(lambda pool, *a: prefix_cache.save(pool, State, *a))(pool, *args)
     want = jax.tree.map(np.array, pool)
-    for slot, start, block in blocks[:4]:
+    for slot, start, block in blocks:
         for (pk, pv), c in zip(want["kv"], kv):
             pk[block], pv[block] = c.k[slot, :, start : start + g], c.v[slot, :, start : start + g]
-    for slot, snap in snaps[:3]:
+    for slot, snap in snaps:
         for (pc, ps), c in zip(want["gdn"], gdn):
             pc[snap], ps[snap] = c.conv[slot], c.state[slot]
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):

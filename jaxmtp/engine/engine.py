@@ -486,9 +486,10 @@ class Engine:
                                          in_specs=io + (P(),) * n_args, out_specs=io[0], check_vma=False)
 
                 save, restore = on_replicas(save, 4), on_replicas(restore, 4, returns_pool=False)
-        # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call.
+        # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call; its
+        # unused rows are gathered too (fixed shapes), so the capacity follows the prefill rows, not more.
         rows = self.max_prefill_batch * self.data_parallel
-        self._publications = _prefix.Publications(max_blocks=max(64, 2 * rows), max_snaps=max(16, rows))
+        self._publications = _prefix.Publications(max_blocks=4 * rows, max_snaps=rows)
         # The state is read, not donated: a later call that donates it waits for this one (JAX orders them).
         self._save = jax.jit(save, donate_argnums=0, **save_out)
         self._restore = jax.jit(restore, donate_argnums=0, **restore_out)

@@ -275,41 +275,45 @@ def _from_owner(x, mine, dp_axis):
 
 
 def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
-    """The pools with the entries of one publication batch copied in, in order (a later entry may reuse an id an
-    earlier one held: it wins, as the index assigned them): for i < ``n_blocks``, KV rows ``[start, start + G)`` of
+    """The pools with one publication batch copied in: for i < ``n_blocks``, KV rows ``[start, start + G)`` of
     ``slot`` (every attention layer) into block ``id``, ``blocks [n, 3]`` int32 rows (slot, start, id); for j <
-    ``n_snaps``, ``slot``'s GDN conv rings and states into snapshot ``id``, ``snaps [m, 2]`` rows (slot, id). Fixed
-    shapes, counts as arguments: one compiled copy for every batch. ``state`` is only read (the pools are donated).
-    ``dp_axis``: inside a data-parallel ``shard_map``, every replica's pool receives each entry from the replica
-    holding its slot."""
+    ``n_snaps``, ``slot``'s GDN conv rings and states into snapshot ``id``, ``snaps [m, 2]`` rows (slot, id). The ids
+    of a batch are distinct (:meth:`Publications.take`). Fixed shapes, counts as arguments: one compiled copy for
+    every batch, a gather of all n (m) rows and a scatter that drops those past the counts. ``state`` is only read
+    (the pools are donated). ``dp_axis``: inside a data-parallel ``shard_map``, every replica's pool receives each
+    entry from the replica holding its slot."""
 
-    def put_block(i, kv):
-        slot, mine = _owner(state, blocks[i, 0], dp_axis)
-        out = []
-        for (pk, pv), c in zip(kv, _kv_layers(state)):
-            out.append(tuple(jax.lax.dynamic_update_slice(
-                p, _from_owner(_rows(a, slot, blocks[i, 1], p.shape[2]), mine, dp_axis)[None], (blocks[i, 2], 0, 0, 0))
-                for p, a in ((pk, c.k), (pv, c.v))))
-        return out
+    def ids(rows, count, pool_size):  # the unused rows' ids past the pool (distinct: the scatter drops them)
+        i = jnp.arange(rows.shape[0])
+        return jnp.where(i < count, rows[:, -1], pool_size + i)
 
-    def put_snapshot(j, gdn):
-        slot, mine = _owner(state, snaps[j, 0], dp_axis)
+    def put(p, at, new):
+        return p.at[at].set(new.astype(p.dtype), mode="drop", unique_indices=True)
 
-        def put(p, a):
-            row = jax.lax.dynamic_index_in_dim(a, jnp.minimum(slot, a.shape[0] - 1), keepdims=True)
-            return jax.lax.dynamic_update_index_in_dim(p, _from_owner(row, mine, dp_axis), snaps[j, 1], 0)
-
-        return [(put(pc, c.conv), put(ps, c.state)) for (pc, ps), c in zip(gdn, _gdn_layers(state))]
-
-    kv = jax.lax.fori_loop(0, n_blocks, put_block, [tuple(x) for x in pool["kv"]]) if pool["kv"] else pool["kv"]
-    gdn = jax.lax.fori_loop(0, n_snaps, put_snapshot, [tuple(x) for x in pool["gdn"]]) if pool["gdn"] else pool["gdn"]
+    kv, gdn = [], []
+    if pool["kv"]:
+        slot, mine = jax.vmap(lambda s: _owner(state, s, dp_axis))(blocks[:, 0])
+        at = ids(blocks, n_blocks, pool["kv"][0][0].shape[0])
+        for (pk, pv), c in zip(pool["kv"], _kv_layers(state)):
+            def rows(a, g=pk.shape[2]):  # [n, H, g, D], the replica holding each slot's
+                x = jax.vmap(lambda s, t: _rows(a, s, t, g))(slot, blocks[:, 1])
+                return _from_owner(x, mine[:, None, None, None], dp_axis)
+            kv.append((put(pk, at, rows(c.k)), put(pv, at, rows(c.v))))
+    if pool["gdn"]:
+        slot, mine = jax.vmap(lambda s: _owner(state, s, dp_axis))(snaps[:, 0])
+        at = ids(snaps, n_snaps, pool["gdn"][0][0].shape[0])
+        for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state)):
+            def rows(a):  # [m, ...] of each slot, the replica holding it
+                x = jnp.take(a, jnp.minimum(slot, a.shape[0] - 1), axis=0)
+                return _from_owner(x, mine.reshape((-1,) + (1,) * (x.ndim - 1)), dp_axis)
+            gdn.append((put(pc, at, rows(c.conv)), put(ps, at, rows(c.state))))
     return {"kv": kv, "gdn": gdn}
 
 
 class Publications:
     """Host-side queue of the copies a publishing site enqueues (:meth:`block`, :meth:`snapshot`), handed to the
-    device as one :func:`save` call by :meth:`flush` (or earlier when the fixed-size batch is full). The caller
-    flushes before anything changes the state they read or reads the pools they write."""
+    device as one :func:`save` call by :meth:`take` (the caller flushes when the batch is :meth:`full` too). The
+    caller flushes before anything changes the state they read or reads the pools they write."""
 
     def __init__(self, max_blocks: int, max_snaps: int):
         self.blocks = np.zeros((max_blocks, 3), np.int32)
@@ -328,10 +332,18 @@ class Publications:
         self.n_snaps += 1
 
     def take(self) -> tuple | None:
-        """The batch as :func:`save`'s arguments after ``pool, state`` (None when empty), emptying the queue."""
+        """The batch as :func:`save`'s arguments after ``pool, state`` (None when empty), emptying the queue. An id
+        queued twice (the index reused it) keeps its later copy only: the result of copying in order."""
+
+        def last_per_id(queued, n):
+            keep = sorted({int(r[-1]): i for i, r in enumerate(queued[:n])}.values())  # each id's last row
+            out = np.zeros_like(queued)
+            out[: len(keep)] = queued[keep]
+            return out, np.int32(len(keep))
+
         if not (self.n_blocks or self.n_snaps):
             return None
-        args = (self.blocks.copy(), np.int32(self.n_blocks), self.snaps.copy(), np.int32(self.n_snaps))
+        args = (*last_per_id(self.blocks, self.n_blocks), *last_per_id(self.snaps, self.n_snaps))
         self.n_blocks = self.n_snaps = 0
         return args
 
