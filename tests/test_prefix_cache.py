@@ -220,6 +220,30 @@ def test_a_full_publication_batch_is_handed_over_early_and_stays_exact(models, r
     assert len(calls) >= 3 and all(int(n_b) + int(n_s) == 1 for _, n_b, _, n_s in calls)
 
 
+def test_the_eviction_order_is_the_least_recent_block_no_snapshot_holds(rng):
+    """Through random publications, hits and evictions on small pools, the block the index would evict next is
+    always the first of its LRU order that no snapshot holds (the definition, scanned linearly)."""
+    g = 4
+    idx = PrefixIndex(g, num_blocks=7, num_snapshots=3)
+    texts = [rng.integers(0, 6, 6 * g) for _ in range(5)]  # few ids: texts share prefixes now and then
+    for _ in range(400):
+        text = texts[rng.integers(len(texts))][: g * int(rng.integers(1, 6)) + int(rng.integers(0, g))]
+        keys = block_keys(text, g)
+        op = rng.integers(3)
+        if op == 0 and keys:  # a prompt chunk boundary: its missing blocks, then a snapshot
+            if all(idx.add_block(keys[i]) is not None for i in idx.missing_blocks(keys)) and len(text) > len(keys) * g:
+                idx.add_snapshot(keys, text[len(keys) * g])
+        elif op == 1 and len(text) % g and not idx.missing_blocks(keys):  # a finished request's tail
+            idx.add_tail_snapshot(keys, text[len(keys) * g : -1], text[-1])
+        else:
+            hit = idx.lookup(text)
+            if hit is not None:
+                idx.used(hit)
+        scan = next((k for k in idx._blocks if idx._refs[k] <= 0), None)
+        assert idx._least_recent_unheld() == scan
+    assert idx.evictions > 20
+
+
 def test_the_server_reports_cached_tokens_and_counters(checkpoint_factory, rng):
     """On by default in the server: a repeated prompt is served from the cache with the same tokens, and gRPC usage,
     GetServerStats, the HTTP API's usage and /metrics say so."""

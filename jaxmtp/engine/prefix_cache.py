@@ -26,6 +26,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import heapq
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,11 @@ class PrefixIndex:
         # (block key, tail ids, token after); the tail's KV rows are a block of their own, the last they hold
         self._tails: collections.defaultdict[bytes, set] = collections.defaultdict(set)
         self._refs: collections.Counter = collections.Counter()  # block key -> snapshots holding it
+        # the eviction order of blocks no snapshot holds, in O(log n): when each block last moved to the end of
+        # ``_blocks``, and a heap of (that time, key) for the unheld ones (entries gone stale are skipped)
+        self._stamp: dict[bytes, int] = {}
+        self._clock = itertools.count()
+        self._unheld: list[tuple[int, bytes]] = []
         self._free_blocks = list(range(num_blocks))[::-1]
         self._free_snaps = list(range(num_snapshots))[::-1]
         self.queried_tokens = self.hit_tokens = self.evictions = 0
@@ -125,7 +132,7 @@ class PrefixIndex:
         """Mark ``hit`` (from :meth:`lookup`) as used now: its entries become the most recent."""
         self.hit_tokens += hit.tokens
         for k in hit.held:
-            self._blocks.move_to_end(k)
+            self._touch(k)
         self._snaps.move_to_end(hit.key)
 
     def missing_blocks(self, keys: list[bytes]) -> list[int]:
@@ -143,19 +150,41 @@ class PrefixIndex:
             self._tails[key[0]].discard(key)
         for k in held:
             self._refs[k] -= 1
+            if self._refs[k] <= 0 and k in self._blocks:
+                heapq.heappush(self._unheld, (self._stamp[k], k))
         self._free_snaps.append(snap)
         self.evictions += 1
         return True
 
+    def _touch(self, key: bytes) -> None:
+        """``key``'s block becomes the most recent (the end of ``_blocks``)."""
+        self._blocks.move_to_end(key)
+        self._stamp[key] = stamp = next(self._clock)
+        if self._refs[key] <= 0:
+            heapq.heappush(self._unheld, (stamp, key))
+        if len(self._unheld) > 4 * self.num_blocks + 64:  # drop the stale entries
+            self._unheld = [(self._stamp[k], k) for k in self._blocks if self._refs[k] <= 0]
+            heapq.heapify(self._unheld)
+
+    def _least_recent_unheld(self) -> bytes | None:
+        """The first block of ``_blocks`` that no snapshot holds, or None."""
+        while self._unheld:
+            stamp, key = self._unheld[0]
+            if key in self._blocks and self._refs[key] <= 0 and self._stamp[key] == stamp:
+                return key
+            heapq.heappop(self._unheld)
+        return None
+
     def _take_block(self) -> int | None:
         while not self._free_blocks:
-            victim = next((k for k in self._blocks if self._refs[k] <= 0), None)
+            victim = self._least_recent_unheld()
             if victim is None:
                 if not self._evict_snapshot():
                     return None
                 continue
             self._free_blocks.append(self._blocks.pop(victim))
             self._refs.pop(victim, None)
+            del self._stamp[victim]
             self.evictions += 1
         return self._free_blocks.pop()
 
@@ -164,11 +193,12 @@ class PrefixIndex:
         held by a snapshot that cannot go (the pool is too small). The caller fills it before publishing a
         snapshot over it."""
         if key in self._blocks:
-            self._blocks.move_to_end(key)
+            self._touch(key)
             return self._blocks[key]
         block = self._take_block()
         if block is not None:
             self._blocks[key] = block
+            self._touch(key)
         return block
 
     def add_snapshot(self, keys: list[bytes], next_token: int) -> int | None:
@@ -182,7 +212,7 @@ class PrefixIndex:
         self._snaps[(keys[-1], int(next_token))] = (snap, list(keys))
         for k in keys:
             self._refs[k] += 1
-            self._blocks.move_to_end(k)
+            self._touch(k)
         return snap
 
     def add_tail_snapshot(self, keys: list[bytes], tail: np.ndarray, next_token: int) -> tuple[int, int] | None:
@@ -208,7 +238,7 @@ class PrefixIndex:
         self._tails[key[0]].add(key)
         for k in held:
             self._refs[k] += 1
-            self._blocks.move_to_end(k)
+            self._touch(k)
         return snap, block
 
     def stats(self) -> dict:
