@@ -129,22 +129,21 @@ def main(argv=None) -> int:
             outs.append(out[0])
         tokens[name, "chat"] = outs
         result.setdefault("chat", {})[name] = {"ttft_s": ttfts, "cached_tokens": cached}
-    distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
     for _ in range(args.rounds) if "none" in workloads else ():  # nothing shared: the cache's cost alone
+        distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
         for name, eng in engines.items():  # alternating, on prompts no round has seen (the cache never hits)
             out, ttfts, wall, cached = serve(eng, distinct, args.max_new)
-            tokens[name, "none"] = out
+            tokens.setdefault((name, "none"), []).extend(out)  # every round's outputs are compared
             runs = result.setdefault("no_hits", {}).setdefault(name, [])
             runs.append({"wall_s": wall, "tokens_per_s": sum(map(len, out)) / wall, "ttft_p50_s": pct(ttfts, 50),
                          "ttft_p99_s": pct(ttfts, 99), "cached_tokens": sum(cached)})
-        distinct = [rng.integers(0, vocab, args.system + args.user).tolist() for _ in range(args.requests - 1)]
     if "no_hits" in result:  # the median round's throughput of each
         median = {n: float(np.median([r["tokens_per_s"] for r in runs])) for n, runs in result["no_hits"].items()}
         result["no_hits_throughput_ratio"] = median["cache"] / median["none"]
     # per workload: whether the outputs with the cache equal those without, and the share of equal tokens
-    result["tokens_equal"] = {w: tokens["cache", w] == tokens["none", w] for _, w in tokens if _ == "cache"}
-    result["equal_token_share"] = {w: equal_share(tokens["cache", w], tokens["none", w])
-                                   for _, w in tokens if _ == "cache"}
+    ran = [w for engine, w in tokens if engine == "cache"]
+    result["tokens_equal"] = {w: tokens["cache", w] == tokens["none", w] for w in ran}
+    result["equal_token_share"] = {w: equal_share(tokens["cache", w], tokens["none", w]) for w in ran}
     result["prefix_cache_stats"] = engines["cache"].prefix_cache_stats()
     s = result.get("shared_system")
     if s and s["cache"]["ttft_p50_s"] and s["none"]["ttft_p50_s"]:

@@ -318,7 +318,7 @@ def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
         return jnp.where(i < count, rows[:, -1], pool_size + i)
 
     def put(p, at, new):
-        return p.at[at].set(new.astype(p.dtype), mode="drop", unique_indices=True)
+        return p.at[at].set(new, mode="drop", unique_indices=True)
 
     kv, gdn = [], []
     if pool["kv"]:
