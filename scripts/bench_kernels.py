@@ -68,12 +68,12 @@ ARGS = None
 # timing
 # ---------------------------------------------------------------------------------------------------------------
 def _fresh(a):
-    """A copy of ``a`` in a new device buffer (None stays None)."""
-    return None if a is None else jnp.copy(a)
+    """A copy of ``a`` (an array or a pytree of them) in new device buffers (None stays None)."""
+    return None if a is None else jax.tree.map(jnp.copy, a)
 
 
 def _nbytes(args):
-    return sum(a.size * a.dtype.itemsize for a in args if a is not None)
+    return sum(x.size * x.dtype.itemsize for a in args if a is not None for x in jax.tree.leaves(a))
 
 
 def time_jax(fn, *args, chain, reps=None, iters=ITERS):
@@ -1048,12 +1048,56 @@ def section_sweep_final():
                        attn_bytes(b, t, hq, 2, dd, s))
 
 
+def section_row_copy():
+    """The prefix cache's copies (jaxmtp.engine.prefix_cache.save / restore) at Qwen3.5-4B shapes, 32 slots of 8k:
+    a block is 256 rows of every attention layer's keys and values (target and MTP), a snapshot every GDN layer's
+    state and conv ring. Row-copy kernel (one launch per array shape, in place) against XLA (gather + scatter for
+    the save, a loop of dynamic updates for the restore); bytes: each copied byte read once and written once."""
+    from jaxmtp import shapes
+    from jaxmtp.engine import prefix_cache, steps
+
+    slots, ctx, g = (32, 8192, 256) if not ARGS.smoke else (4, 512, 64)
+    cfg = shapes.config("qwen3.5-4b") if not ARGS.smoke else shapes.config(
+        "qwen3.5-0.8b", num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+        moe_layers=(False,) * 4)
+    state = steps.init_state(cfg, slots, ctx, 3, jnp.bfloat16)
+    state = state.replace(carry=jax.tree.map(lambda a: jnp.ones_like(a) * 0.5, state.carry))
+    cap_b, cap_s = (32, 8) if not ARGS.smoke else (8, 4)  # a publication batch's rows (the engine's at 8 prefill rows)
+    n_blocks, n_snaps = 2 * cap_b, 2 * cap_s
+    block_b, snap_b = prefix_cache.pool_bytes_per_entry(state, g)
+    rng = np.random.default_rng(0)
+    impls = {"triton": "triton_interpret" if ARGS.smoke else "triton", "xla": "xla"}
+    for nb, ns in ((32, 0), (8, 8)) if not ARGS.smoke else ((4, 0), (2, 2)):
+        blocks = np.stack([rng.integers(0, slots, cap_b), g * rng.integers(0, ctx // g, cap_b),
+                           rng.permutation(n_blocks)[:cap_b]], 1).astype(np.int32)
+        snaps = np.stack([rng.integers(0, slots, cap_s), rng.permutation(n_snaps)[:cap_s]], 1).astype(np.int32)
+        nbytes = 2 * (nb * block_b + ns * snap_b)
+        for name, impl in impls.items():
+            def save(pool, st, impl=impl, nb=nb, ns=ns):
+                return prefix_cache.save(pool, st, blocks, np.int32(nb), snaps if ns else None,
+                                         np.int32(ns) if ns else None, copy=impl)
+            pool = prefix_cache.init_pool(state, g, n_blocks, n_snaps)
+            t = time_jax(save, pool, state, chain=chain_first, reps=8)
+            record("prefix_save", {"blocks": nb, "snapshots": ns}, name, t, nbytes)
+    hit = min(ctx // g - 1, 31)
+    for name, impl in impls.items():
+        pool = prefix_cache.init_pool(state, g, n_blocks, n_snaps)
+        ids = np.zeros((ctx // g,), np.int32)
+        ids[:hit] = rng.permutation(n_blocks)[:hit]
+
+        def restore(st, pool, impl=impl):
+            return prefix_cache.restore(st, pool, np.int32(3), jnp.asarray(ids), np.int32(hit), np.int32(5), copy=impl)
+
+        t = time_jax(restore, state, pool, chain=chain_first, reps=8)
+        record("prefix_restore", {"blocks": hit, "snapshots": 1}, name, t, 2 * (hit * block_b + snap_b))
+
+
 SECTIONS = {
     "ceilings": section_ceilings, "check": section_check, "fla_check": section_fla_check,
     "recurrent": section_recurrent, "commit": section_commit, "chunk": section_chunk,
     "attention": section_attention, "moe": section_moe, "matmul": section_matmul,
     "sweep": section_sweep, "sweep_final": section_sweep_final, "moe_sweep": section_moe_sweep,
-    "mixer": section_mixer, "fp8": section_fp8,
+    "mixer": section_mixer, "fp8": section_fp8, "row_copy": section_row_copy,
 }
 
 

@@ -2,9 +2,10 @@
 tokens of the same request on an engine without the cache, and drafts accepted alike (the MTP rows restored
 exactly: tokens alone would not show a wrong one), greedy and seeded sampling, k = 0..4, dense / MoE / Qwen3-Next,
 at and around the granularity's boundaries; a prompt that departs from the cached one exactly at a
-boundary token resumes one block earlier (the MTP layer's row there depends on that token); eviction under a small
-pool, aborted requests and concurrent sharers stay exact; the pools are in the memory plan; bad settings are
-refused."""
+boundary token resumes one block earlier (the MTP layer's row there depends on that token); a prompt's prefill
+publishes its last boundary and the point where it leaves a prefix published before, not every boundary; eviction
+under a small pool, aborted requests and concurrent sharers stay exact; the pools are in the memory plan; bad
+settings are refused."""
 
 from __future__ import annotations
 
@@ -80,11 +81,17 @@ def test_a_hit_gives_the_tokens_of_a_cold_cache(models, kind, k, rng):
                base,                                                 # the cached prompt itself: resumes at 3G
                base[: 2 * G] + [(base[2 * G] + 1) % vocab] + base[2 * G + 1 :],  # departs at token 2G: resumes at G
                base[: G - 1] + rng.integers(0, vocab, 10).tolist()]  # shares less than a block: no hit
+    shared = [3 * G + 5, 2 * G + 1, 3 * G + 5, 2 * G, G - 1]
     want_cached = [3 * G, 2 * G, 3 * G, G, 0]
     warm = _engine(model, k)
-    _run(warm, [base], _params(1))  # publishes the boundaries G, 2G and 3G of the base prompt
+    _run(warm, [base], _params(1))  # publishes the base prompt's last boundary, 3G
     for i, prompt in enumerate(prompts):
         params = _params(3)[i % 3 : i % 3 + 1]
+        # a sibling first: the same shared part, then other tokens (the one after it differs from both prompts'),
+        # so that the index has seen the prefix shared and the sibling publishes its end (the branch point)
+        j = shared[i]
+        other = min({0, 1, 2} - {p[j] for p in (base, prompt) if j < len(p)})
+        _run(warm, [prompt[:j] + [other] + rng.integers(0, vocab, 8).tolist()], _params(1))
         cold_drafts, hit_drafts = [], []
         cold = _engine(model, k, cache_bytes=0)
         want, _ = _run(cold, [prompt], params, cold_drafts)
@@ -168,6 +175,58 @@ def test_the_index_keys_by_ids_and_the_boundary_token_and_evicts_least_recent_fi
     assert idx.evictions == 1
 
 
+def test_a_prompt_snapshots_its_last_boundary_and_where_it_leaves_a_published_prefix(models, rng):
+    """``branch_point``: the deepest boundary P past the hit such that an earlier published sequence had ids 0..P
+    (its blocks held, token P seen after them), else 0. An engine's prompt publishes a snapshot there and at its last
+    boundary only (a finished request adds its tail), not at every boundary."""
+    g = 8
+    idx = PrefixIndex(g, num_blocks=16, num_snapshots=8)
+    a = rng.integers(0, 50, 5 * g + 3)
+    keys = idx.prompt_keys(a)
+    for i in idx.missing_blocks(keys):
+        idx.add_block(keys[i])
+    idx.follow(keys, a)
+    idx.add_snapshot(keys, a[5 * g])
+
+    def branch(prompt, hit=0):
+        return idx.branch_point(prompt, idx.prompt_keys(prompt), hit)
+
+    assert branch(np.r_[a[: 3 * g + 2], 99, 98]) == 3 * g  # blocks 0..2 held and token 3g seen after them
+    assert branch(np.r_[a[: 3 * g], 99, a[3 * g + 1 :]]) == 2 * g  # departs at token 3g: the boundary before
+    assert branch(np.r_[a[: 3 * g + 2], 99, 98], hit=3 * g) == 0  # nothing past the hit
+    assert branch(np.r_[a[: g - 1], 99, 98]) == 0  # less than a block
+    assert branch(np.r_[a, 7]) == 5 * g  # a itself, longer
+    model = models["dense"]
+    eng = _engine(model, 2)
+    prompt = rng.integers(0, model.config.vocab_size - 2, 4 * G + 3).tolist()
+    _run(eng, [prompt], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    stats = eng.prefix_cache_stats()  # 4 blocks and the snapshot at 4G; a tail block and snapshot at 4G + 8
+    assert (stats["blocks"], stats["snapshots"]) == (5, 2), stats
+
+
+def test_the_copy_kernel_fills_and_restores_as_the_jnp_copies(checkpoint_factory, models, rng):
+    """The prefix cache's copies on the row-copy kernel (interpret mode; the GPU's choice): after the same requests,
+    a publication and a hit, the pools and the slots' carries equal those of the jnp copies bit for bit."""
+    from jaxmtp.pallas import Backend
+
+    kernel = jaxmtp.load(checkpoint_factory("next")[0], dtype="float32", progress=False,
+                         backend=Backend(row_copy="triton_interpret"))
+    vocab = kernel.config.vocab_size - 2
+    base = rng.integers(0, vocab, 3 * G + 5).tolist()
+    more = base + rng.integers(0, vocab, 4).tolist()
+    runs = []
+    for model in (models["next"], kernel):
+        eng = _engine(model, 3)
+        _run(eng, [base], _params(1))
+        runs.append((_run(eng, [more], _params(2)[1:]), eng))
+    ((ref_out, ref_cached), ref), ((out, cached), eng) = runs
+    assert out == ref_out and cached == ref_cached == [3 * G]
+    for name, a, b in (("pools", ref._pool, eng._pool), ("carries", (ref.state.carry, ref.state.mtp_carry),
+                                                          (eng.state.carry, eng.state.mtp_carry))):
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
 def test_a_batch_of_copies_lands_as_numpy_copies_made_in_order(rng):
     """A publication batch (``Publications`` queue, then one ``save`` call) leaves the pools as the same copies made
     one by one in numpy, in queue order: an id queued twice keeps its later copy; the rest of the pools stays."""
@@ -188,7 +247,16 @@ def test_a_batch_of_copies_lands_as_numpy_copies_made_in_order(rng):
         queue.block(*b)
     for sn in snaps:
         queue.snapshot(*sn)
+    blocks_alone = queue.take(blocks_only=True)  # as when the blocks' queue is full: the snapshots stay queued
+    assert int(blocks_alone[1]) == 3 and queue.take(blocks_only=True) is None
+    snaps_alone = queue.take()
+    assert int(snaps_alone[1]) == 0 and queue.take() is None
+    for b in blocks:
+        queue.block(*b)
+    for sn in snaps:
+        queue.snapshot(*sn)
     args = queue.take()
+    assert all(np.array_equal(a, b) for a, b in zip(args, blocks_alone + snaps_alone[2:]))
     assert queue.take() is None and (int(args[1]), int(args[3])) == (3, 2)
     got = jax.jit(lambda pool, *a: prefix_cache.save(pool, State, *a))(pool, *args)
     want = jax.tree.map(np.array, pool)
@@ -213,11 +281,11 @@ def test_a_full_publication_batch_is_handed_over_early_and_stays_exact(models, r
     eng = _engine(model, 2, cache_bytes=1 << 20)
     eng._publications = prefix_cache.Publications(max_blocks=1, max_snaps=1)
     calls = []
-    save = eng._save
-    eng._save = lambda *a: calls.append(a[2:]) or save(*a)
+    for name in ("_save", "_save_blocks"):  # with snapshots, and blocks alone
+        setattr(eng, name, lambda *a, fn=getattr(eng, name): calls.append(a[3::2]) or fn(*a))
     got, cached = zip(*[_run(eng, [p], _params(1)) for p in prompts])
     assert [g[0] for g in got] == cold and cached[1][0] == 3 * G, cached
-    assert len(calls) >= 3 and all(int(n_b) + int(n_s) == 1 for _, n_b, _, n_s in calls)
+    assert len(calls) >= 3 and all(int(n) <= 1 for counts in calls for n in counts), calls
 
 
 def test_the_eviction_order_is_the_least_recent_block_no_snapshot_holds(rng):
@@ -280,15 +348,15 @@ def test_the_server_reports_cached_tokens_and_counters(checkpoint_factory, rng):
 
 
 def test_the_warm_up_compiles_the_copies_and_changes_nothing(models):
-    """The warm-up runs the cache's two copies on nothing (an empty batch, a slot past the slots): compiled, the
-    pools untouched."""
+    """The warm-up runs the cache's copies on nothing (empty batches, a slot past the slots): compiled, the pools
+    untouched."""
     eng = _engine(models["dense"], 2)
     before = jax.device_get(eng._pool)
     eng.warmup()
     after = jax.device_get(eng._pool)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
                                                     jax.tree_util.tree_leaves(after)))
-    assert all(f._cache_size() >= 1 for f in (eng._save, eng._restore))
+    assert all(f._cache_size() >= 1 for f in (eng._save, eng._save_blocks, eng._restore))
 
 
 @pytest.mark.parametrize("kind,k", [("dense", 3), ("next", 2)])
@@ -381,7 +449,8 @@ def test_on_a_mesh_the_pools_split_like_the_carries_and_hits_stay_exact(checkpoi
     for leaf in jax.tree_util.tree_leaves(warm._pool):
         assert leaf.addressable_shards[0].data.nbytes * tp == leaf.nbytes  # a rank's heads of each entry
     assert warm.plan.prefix_cache * tp == sum(a.nbytes for a in jax.tree_util.tree_leaves(warm._pool))
-    _run(warm, [base], _params(1))  # publishes G and 2G
+    _run(warm, [base], _params(1))  # publishes its last boundary, 2G
+    _run(warm, [base[: G + 3] + rng.integers(0, vocab, 6).tolist()], _params(1))  # a second sharer of G + 3: G
     for i, prompt in enumerate(prompts):
         params = _params(3)[i : i + 1]
         cold_drafts, hit_drafts = [], []

@@ -117,6 +117,7 @@ class _Request:
     prefilled: int = 0  # prompt tokens already run through the target
     cached: int = 0  # prompt tokens restored from the prefix cache
     keys: list | None = None  # the prompt's prefix-cache block keys (PrefixIndex.prompt_keys, set at admission)
+    branch: int = 0  # where its prefill publishes a snapshot besides its last boundary (PrefixIndex.branch_point)
     generated: list = dataclasses.field(default_factory=list)
     stats: SpecStats = None
     first_token_time: float | None = None
@@ -463,16 +464,20 @@ class Engine:
 
     # ---- prefix cache (jaxmtp.engine.prefix_cache) -----------------------------------------------------------
     def _make_prefix_pools(self, layout, specs, state_out) -> None:
-        """The prefix cache's device pools, its publication queue and its two jitted copies. On a mesh (``specs`` /
-        ``state_out``: the state's partition specs and shardings) the pools split over the ranks as the carries they
-        copy and are whole on each replica; under data parallelism the copies run in a ``shard_map`` (each replica
-        reads and writes its own slots; a saved entry reaches every replica's pool)."""
+        """The prefix cache's device pools, its publication queue and its jitted copies (a save, a save of blocks
+        alone, a restore). On a mesh (``specs`` / ``state_out``: the state's partition specs and shardings) the pools
+        split over the ranks as the carries they copy and are whole on each replica; under data parallelism the
+        copies run in a ``shard_map`` (each replica reads and writes its own slots; a saved entry reaches every
+        replica's pool)."""
         g, idx = self.prefix_cache.granularity, self.prefix_cache
         make_pool = functools.partial(_prefix.init_pool, granularity=g, num_blocks=idx.num_blocks,
                                       num_snapshots=idx.num_snapshots)
-        save, restore = _prefix.save, _prefix.restore
+        save = save_blocks = _prefix.save
+        restore = _prefix.restore
         save_out, restore_out = {}, {}
-        if layout is None:
+        if layout is None:  # one device: the copies may run the row-copy kernel (jaxmtp.pallas.row_copy)
+            save = save_blocks = functools.partial(save, copy=self.model.backend.row_copy)
+            restore = functools.partial(restore, copy=self.model.backend.row_copy)
             self._pool = make_pool(self.state)
         else:
             pool_specs = _prefix.pool_specs(jax.eval_shape(lambda: make_pool(self.state)), layout.collectives.axis)
@@ -485,13 +490,15 @@ class Engine:
                     return jax.shard_map(functools.partial(fn, dp_axis=DP), mesh=layout.mesh,
                                          in_specs=io + (P(),) * n_args, out_specs=io[0], check_vma=False)
 
-                save, restore = on_replicas(save, 4), on_replicas(restore, 4, returns_pool=False)
+                save, save_blocks = on_replicas(save, 4), on_replicas(save, 2)
+                restore = on_replicas(restore, 4, returns_pool=False)
         # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call; its
         # unused rows are gathered too (fixed shapes), so the capacity follows the prefill rows, not more.
         rows = self.max_prefill_batch * self.data_parallel
         self._publications = _prefix.Publications(max_blocks=4 * rows, max_snaps=rows)
         # The state is read, not donated: a later call that donates it waits for this one (JAX orders them).
         self._save = jax.jit(save, donate_argnums=0, **save_out)
+        self._save_blocks = jax.jit(save_blocks, donate_argnums=0, **save_out)
         self._restore = jax.jit(restore, donate_argnums=0, **restore_out)
 
     def _plan_prefix_cache(self, memory, granularity: int, available: int | None) -> None:
@@ -529,9 +536,9 @@ class Engine:
         max_blocks = (self.max_context + self.k) // idx.granularity
         for r in new:
             r.keys = idx.prompt_keys(r.prompt)  # hashed once: the lookup here, the snapshots its prefill publishes
-            if r.params.prompt_logprobs is not None:  # every position must run (it still publishes)
-                continue
-            hit = idx.lookup(r.prompt, r.keys)
+            # every position of a prompt_logprobs request must run (it still publishes)
+            hit = idx.lookup(r.prompt, r.keys) if r.params.prompt_logprobs is None else None
+            r.branch = idx.branch_point(r.prompt, r.keys, hit.tokens if hit else 0)
             if hit is None:
                 continue
             blocks = np.zeros((max_blocks,), np.int32)
@@ -542,15 +549,20 @@ class Engine:
             r.prefilled = r.cached = hit.tokens
 
     def _publish_prefix(self, r: _Request, end: int) -> None:
-        """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): hold its blocks
-        and a snapshot keyed by tokens 0..end-1 and token ``end`` (copies queued after the chunk that filled the
-        slot; :meth:`_flush_publications` runs them before any restore reads them)."""
-        self._publish_snapshot(r.keys[: end // self.prefix_cache.granularity], int(r.prompt[end]), r.slot)
+        """After a prompt chunk of ``r`` ended at ``end`` (a multiple of G, before the prompt's end): if ``end`` is
+        the prompt's last boundary or its branch point (``r.branch``), hold its blocks and a snapshot keyed by tokens
+        0..end-1 and token ``end`` (copies queued after the chunk that filled the slot; :meth:`_flush_publications`
+        runs them before any restore reads them)."""
+        g = self.prefix_cache.granularity
+        if end in (r.branch, len(r.keys) * g):
+            self._publish_snapshot(r.keys[: end // g], r.prompt, r.slot)
 
-    def _publish_snapshot(self, keys: list[bytes], next_token: int, slot: int) -> None:
-        """Hold ``slot``'s state at the boundary after ``keys``' blocks, with ``next_token`` at it: the blocks the
-        pool lacks, then the snapshot (unless held already, or the pools have no room)."""
+    def _publish_snapshot(self, keys: list[bytes], seq: np.ndarray, slot: int) -> None:
+        """Hold ``slot``'s state at the boundary after ``keys``' blocks of ``seq``, with the token of ``seq`` there:
+        the blocks the pool lacks, then the snapshot (unless held already, or the pools have no room)."""
         idx = self.prefix_cache
+        next_token = int(seq[len(keys) * idx.granularity])
+        idx.follow(keys, seq)
         if idx.has_snapshot(keys[-1], next_token) or not self._save_missing_blocks(keys, slot):
             return
         snap = idx.add_snapshot(keys, next_token)
@@ -560,19 +572,27 @@ class Engine:
     def _queue_copy(self, block=None, snapshot=None) -> None:
         """Queue a copy of ``block`` (slot, start, block id) or ``snapshot`` (slot, snapshot id) into the pools."""
         q = self._publications
-        if q.full():
-            self._flush_publications()
         if block is not None:
+            if q.blocks_full():  # the blocks alone: the snapshots queued so far go with the site's last call
+                self._flush_publications(blocks_only=True)
             q.block(*block)
         else:
+            if q.snaps_full():
+                self._flush_publications()
             q.snapshot(*snapshot)
 
-    def _flush_publications(self) -> None:
-        """Run the queued copies (one :func:`prefix_cache.save` call): every publishing site ends with this, so
-        nothing queued outlives the state it reads."""
-        args = self._publications.take() if self.prefix_cache is not None else None
-        if args is not None:
+    def _flush_publications(self, blocks_only: bool = False) -> None:
+        """Run the queued copies (one :func:`prefix_cache.save` call; ``blocks_only``: the blocks', the snapshots
+        staying queued): every publishing site ends with this, so nothing queued outlives the state it reads."""
+        if self.prefix_cache is None:
+            return
+        args = self._publications.take(blocks_only)
+        if args is None:
+            return
+        if not blocks_only and args[3]:
             self._pool = self._save(self._pool, self.state, *args)
+        else:  # blocks alone: no snapshot row is gathered
+            self._pool = self._save_blocks(self._pool, self.state, *args[:2])
 
     def _save_missing_blocks(self, keys: list[bytes], slot: int) -> bool:
         """Queue copies of ``slot``'s rows of each block of ``keys`` the pool lacks; False if the pool has no room."""
@@ -600,8 +620,9 @@ class Engine:
             return  # no whole tail block fits the slot's rows past the last boundary
         keys = _prefix.block_keys(seq, g, m)
         if length % g == 0:  # on the grid: a snapshot as a prompt's
-            self._publish_snapshot(keys, int(seq[length]), r.slot)
+            self._publish_snapshot(keys, seq, r.slot)
             return
+        idx.follow(keys, seq)
         if not self._save_missing_blocks(keys, r.slot):
             return
         ids = idx.add_tail_snapshot(keys, seq[m * g : length], seq[length])
@@ -1086,6 +1107,7 @@ class Engine:
             q = self._publications
             calls += [
                 (self._save, lambda: (self._pool, self.state, q.blocks, np.int32(0), q.snaps, np.int32(0)), "pool"),
+                (self._save_blocks, lambda: (self._pool, self.state, q.blocks, np.int32(0)), "pool"),
                 (self._restore, lambda: (self.state, self._pool, no_slot, blocks, np.int32(0), np.int32(0)), "state")]
         processing = {name: jnp.asarray(v) for name, v in steps.neutral_processing(n).items()}
         stops = jnp.full((n, self.state.stop_ids.shape[1]), -1, jnp.int32)

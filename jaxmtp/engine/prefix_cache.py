@@ -6,11 +6,16 @@ target's and the MTP layer's), each GDN layer's float32 state after token P-1 an
 row P-1 depends on token P as well (its input is ``(embed(x_P), h_{P-1})``), so a snapshot is keyed by the token
 ids 0..P-1 *and* token P: a prompt that shares tokens 0..P with an earlier one resumes at P exactly, with no row to
 recompute; one that departs exactly at token P resumes at the boundary before (the only case where a block is run
-again, against vLLM's recompute of a block on every hit under MTP). A snapshot is only taken of a final state: the end of a
-prompt chunk that is not the prompt's last (prefill splits at multiples of G: ``prefill_chunk`` divides G), or a
-slot after a device loop, whose steps commit exactly the tokens they emit (a tail snapshot, off the grid: a request
-that ended, or one still decoding that crossed a multiple of G). Never inside a verify window, never from a
-rejected draft, never from a request's partial work (an abort keeps what it published, which is exact).
+again, against vLLM's recompute of a block on every hit under MTP).
+
+A snapshot is only taken of a final state. In a prompt: the end of a chunk that is not the prompt's last (prefill
+splits at multiples of G: ``prefill_chunk`` divides G), at the prompt's last boundary and at the point where it
+departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary: a snapshot
+weighs as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a copy to
+every chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a slot, whose steps
+commit exactly the tokens they emit (a tail snapshot, off the grid: a request that ended, or one still decoding
+that crossed a multiple of G). Never inside a verify window, never from a rejected draft, never from a request's
+partial work (an abort keeps what it published, which is exact).
 
 Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of the ids (SHA-256 of the previous
 block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
@@ -36,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmtp.layers.attention import KVCache
 from jaxmtp.layers.gated_deltanet import GDNCarry
+from jaxmtp.pallas.row_copy import copy_rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,6 +97,9 @@ class PrefixIndex:
         self._stamp: dict[bytes, int] = {}
         self._clock = itertools.count()
         self._unheld: list[tuple[int, bytes]] = []
+        # block key -> the tokens that followed it in the sequences published over it (the token at the boundary
+        # after the block): whether a new prompt's token there was seen before (:meth:`branch_point`)
+        self._followers: collections.defaultdict[bytes, set] = collections.defaultdict(set)
         self._free_blocks = list(range(num_blocks))[::-1]
         self._free_snaps = list(range(num_snapshots))[::-1]
         self.queried_tokens = self.hit_tokens = self.evictions = 0
@@ -118,6 +127,26 @@ class PrefixIndex:
                 if hit is not None:
                     return hit
         return None
+
+    def branch_point(self, prompt: np.ndarray, keys: list[bytes], hit_tokens: int) -> int:
+        """Where ``prompt`` should publish a snapshot because an earlier sequence shared it that far, or 0: the
+        deepest boundary P > ``hit_tokens`` such that tokens 0..P (the snapshot's key: the ids before P and token P)
+        were all published before, found from the leading blocks of ``keys`` the pool holds (to depth d G) and the
+        tokens that followed block d (P = d G if token d G was among them, else (d - 1) G). Prefill snapshots are
+        taken only at such points and at a prompt's last boundary, so a prefix shared by several prompts gets a
+        snapshot at its end once a second prompt has shown it shared (SGLang's branching point)."""
+        d = next((i for i, k in enumerate(keys) if k not in self._blocks), len(keys))
+        if d == 0:
+            return 0
+        g = self.granularity
+        p = d * g if int(prompt[d * g]) in self._followers.get(keys[d - 1], ()) else (d - 1) * g
+        return p if p > hit_tokens else 0
+
+    def follow(self, keys: list[bytes], seq: np.ndarray) -> None:
+        """Record, for each block ``keys[i]`` of ``seq``, the token that followed it (``seq[(i + 1) G]``)."""
+        g = self.granularity
+        for i, k in enumerate(keys[: (len(seq) - 1) // g]):
+            self._followers[k].add(int(seq[(i + 1) * g]))
 
     def _hit(self, tokens: int, key: tuple) -> Hit | None:
         entry = self._snaps.get(key)
@@ -184,6 +213,7 @@ class PrefixIndex:
                 continue
             self._free_blocks.append(self._blocks.pop(victim))
             self._refs.pop(victim, None)
+            self._followers.pop(victim, None)
             del self._stamp[victim]
             self.evictions += 1
         return self._free_blocks.pop()
@@ -304,14 +334,26 @@ def _from_owner(x, mine, dp_axis):
     return x if dp_axis is None else jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), dp_axis)
 
 
-def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
+def save(pool: dict, state, blocks, n_blocks, snaps=None, n_snaps=None, dp_axis=None, copy: str = "xla"):
     """The pools with one publication batch copied in: for i < ``n_blocks``, KV rows ``[start, start + G)`` of
     ``slot`` (every attention layer) into block ``id``, ``blocks [n, 3]`` int32 rows (slot, start, id); for j <
-    ``n_snaps``, ``slot``'s GDN conv rings and states into snapshot ``id``, ``snaps [m, 2]`` rows (slot, id). The ids
+    ``n_snaps``, ``slot``'s GDN conv rings and states into snapshot ``id``, ``snaps [m, 2]`` rows (slot, id); without
+    ``snaps`` (a batch of blocks alone) the snapshot pool passes through untouched. The ids
     of a batch are distinct (:meth:`Publications.take`). Fixed shapes, counts as arguments: one compiled copy for
     every batch, a gather of all n (m) rows and a scatter that drops those past the counts. ``state`` is only read
     (the pools are donated). ``dp_axis``: inside a data-parallel ``shard_map``, every replica's pool receives each
-    entry from the replica holding its slot."""
+    entry from the replica holding its slot. ``copy``: a kernel name runs the copies as
+    :func:`jaxmtp.pallas.row_copy.copy_rows` launches on one device (no ``dp_axis``), writing the pools in place."""
+    if copy != "xla" and dp_axis is None:
+        zero = jnp.zeros_like(blocks[:, 0])
+        kv = _copy_kv(pool["kv"], [(c.k, c.v) for c in _kv_layers(state)],
+                      jnp.stack([blocks[:, 0], blocks[:, 1], blocks[:, 2], zero], 1), n_blocks, copy, into_pool=True)
+        if snaps is None:
+            return {"kv": kv, "gdn": pool["gdn"]}
+        zero = jnp.zeros_like(snaps[:, 0])
+        moves = jnp.stack([snaps[:, 0], zero, snaps[:, 1], zero], 1)
+        gdn = [(c.conv, c.state) for c in _gdn_layers(state)]
+        return {"kv": kv, "gdn": _copy_gdn(pool["gdn"], gdn, moves, n_snaps, copy) if gdn else []}
 
     def ids(rows, count, pool_size):  # the unused rows' ids past the pool (distinct: the scatter drops them)
         i = jnp.arange(rows.shape[0])
@@ -320,7 +362,7 @@ def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
     def put(p, at, new):
         return p.at[at].set(new, mode="drop", unique_indices=True)
 
-    kv, gdn = [], []
+    kv, gdn = [], [] if snaps is not None else pool["gdn"]
     if pool["kv"]:
         slot, mine = jax.vmap(lambda s: _owner(state, s, dp_axis))(blocks[:, 0])
         at = ids(blocks, n_blocks, pool["kv"][0][0].shape[0])
@@ -329,7 +371,7 @@ def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
                 x = jax.vmap(lambda s, t: _rows(a, s, t, g))(slot, blocks[:, 1])
                 return _from_owner(x, mine[:, None, None, None], dp_axis)
             kv.append((put(pk, at, rows(c.k)), put(pv, at, rows(c.v))))
-    if pool["gdn"]:
+    if pool["gdn"] and snaps is not None:
         slot, mine = jax.vmap(lambda s: _owner(state, s, dp_axis))(snaps[:, 0])
         at = ids(snaps, n_snaps, pool["gdn"][0][0].shape[0])
         for (pc, ps), c in zip(pool["gdn"], _gdn_layers(state)):
@@ -342,16 +384,21 @@ def save(pool: dict, state, blocks, n_blocks, snaps, n_snaps, dp_axis=None):
 
 class Publications:
     """Host-side queue of the copies a publishing site enqueues (:meth:`block`, :meth:`snapshot`), handed to the
-    device as one :func:`save` call by :meth:`take` (the caller flushes when the batch is :meth:`full` too). The
-    caller flushes before anything changes the state they read or reads the pools they write."""
+    device as one :func:`save` call by :meth:`take`. When one kind's queue is full the caller hands over that kind
+    alone (``take(blocks_only=True)`` for blocks: a site's snapshots then go in one call, not one per full queue of
+    blocks; the two pools' copies are independent). The caller flushes before anything changes the state they read
+    or reads the pools they write."""
 
     def __init__(self, max_blocks: int, max_snaps: int):
         self.blocks = np.zeros((max_blocks, 3), np.int32)
         self.snaps = np.zeros((max_snaps, 2), np.int32)
         self.n_blocks = self.n_snaps = 0
 
-    def full(self) -> bool:
-        return self.n_blocks == len(self.blocks) or self.n_snaps == len(self.snaps)
+    def blocks_full(self) -> bool:
+        return self.n_blocks == len(self.blocks)
+
+    def snaps_full(self) -> bool:
+        return self.n_snaps == len(self.snaps)
 
     def block(self, slot: int, start: int, block: int) -> None:
         self.blocks[self.n_blocks] = slot, start, block
@@ -361,9 +408,10 @@ class Publications:
         self.snaps[self.n_snaps] = slot, snap
         self.n_snaps += 1
 
-    def take(self) -> tuple | None:
-        """The batch as :func:`save`'s arguments after ``pool, state`` (None when empty), emptying the queue. An id
-        queued twice (the index reused it) keeps its later copy only: the result of copying in order."""
+    def take(self, blocks_only: bool = False) -> tuple | None:
+        """The batch as :func:`save`'s arguments after ``pool, state`` (None when empty), emptying the queue; with
+        ``blocks_only`` the blocks alone (``blocks, n_blocks``), the snapshots staying queued. An id queued twice
+        (the index reused it) keeps its later copy only: the result of copying in order."""
 
         def last_per_id(queued, n):
             keep = sorted({int(r[-1]): i for i, r in enumerate(queued[:n])}.values())  # each id's last row
@@ -371,6 +419,10 @@ class Publications:
             out[: len(keep)] = queued[keep]
             return out, np.int32(len(keep))
 
+        if blocks_only:
+            args = last_per_id(self.blocks, self.n_blocks) if self.n_blocks else None
+            self.n_blocks = 0
+            return args
         if not (self.n_blocks or self.n_snaps):
             return None
         args = (*last_per_id(self.blocks, self.n_blocks), *last_per_id(self.snaps, self.n_snaps))
@@ -378,11 +430,48 @@ class Publications:
         return args
 
 
-def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None):
+def _copy_kv(dst_pairs: list, caches: list, moves, count, copy: str, into_pool: bool) -> list:
+    """KV ``(k, v)`` pairs ``dst_pairs`` with ``moves`` copied from ``caches``' pairs (slots' rows into pool blocks
+    ``into_pool``, else pool blocks into slots' rows); one :func:`copy_rows` launch for all layers."""
+    if not dst_pairs:
+        return []
+    srcs = [a for pair in caches for a in pair]
+    g = (dst_pairs[0][0] if into_pool else srcs[0]).shape[2]
+    flat = copy_rows([a for pair in dst_pairs for a in pair], srcs, moves, count, rows=g, implementation=copy)
+    return [tuple(flat[2 * i : 2 * i + 2]) for i in range(len(dst_pairs))]
+
+
+def _copy_gdn(dst: list, src: list, moves, count, copy: str) -> list:
+    """GDN ``(conv, state)`` pairs ``dst`` (pool snapshots or slots' carries) with ``moves`` (whole entries) copied
+    from ``src``'s pairs: a launch for the states, one for the conv rings (as ``[N, 1, K, C]``)."""
+    as4 = lambda a: a.reshape(a.shape[0], 1, *a.shape[1:])  # noqa: E731
+    conv = copy_rows([as4(c) for c, _ in dst], [as4(c[0]) for c in src], moves, count, rows=dst[0][0].shape[1],
+                     implementation=copy)
+    states = copy_rows([st for _, st in dst], [c[1] for c in src], moves, count, rows=dst[0][1].shape[2],
+                       implementation=copy)
+    return [(c.reshape(d[0].shape), st) for c, st, d in zip(conv, states, dst)]
+
+
+def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None, copy: str = "xla"):
     """``state`` with ``slot``'s KV rows ``[i G, (i + 1) G)`` set from pool block ``blocks[i]`` for i < ``n_blocks``
     (``blocks [max_blocks]`` int32, fixed length: one compiled copy for every hit length) and its GDN carries from
     snapshot ``snap`` (a slot id past the slots and no blocks change nothing: the warm-up's call). ``dp_axis``:
-    inside a data-parallel ``shard_map``, only the replica holding the slot writes."""
+    inside a data-parallel ``shard_map``, only the replica holding the slot writes. ``copy``: as :func:`save`'s."""
+    if copy != "xla" and dp_axis is None:
+        live = slot < state.length.shape[0]
+        i = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+        g = pool["kv"][0][0].shape[2] if pool["kv"] else 0
+        moves = jnp.stack([blocks, jnp.zeros_like(i), jnp.full_like(i, slot), i * g], 1)
+        kv = _copy_kv([(c.k, c.v) for c in _kv_layers(state)], pool["kv"], moves, jnp.where(live, n_blocks, 0),
+                      copy, into_pool=False) if pool["kv"] else []
+        gdn = _gdn_layers(state)
+        if gdn:
+            move = jnp.stack([snap, 0, slot, 0]).astype(jnp.int32)[None]
+            gdn = _copy_gdn([(c.conv, c.state) for c in gdn], pool["gdn"], move, live.astype(jnp.int32), copy)
+        kv_it, gdn_it = iter(kv), iter(gdn)
+        carry = tuple(GDNCarry(*next(gdn_it)) if isinstance(c, GDNCarry) else KVCache(*next(kv_it))
+                      for c in state.carry)
+        return state.replace(carry=carry, mtp_carry=tuple(KVCache(*next(kv_it)) for _ in state.mtp_carry))
     slot, mine = _owner(state, slot, dp_axis)
     n_blocks = jnp.where(mine, n_blocks, 0)
     kv = [(c.k, c.v) for c in _kv_layers(state)]

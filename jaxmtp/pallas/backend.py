@@ -43,6 +43,9 @@ class Backend:
     # products with block-FP8 weights (jaxmtp.fp8; jaxmtp.pallas.matmul.fp8_linear): a kernel name runs the FP8
     # kernels for decode and verify rows; "xla" dequantises the weight before each product
     fp8_matmul: str = "xla"
+    # the prefix cache's copies between the slots' carries and its pools on one device (jaxmtp.pallas.row_copy):
+    # a kernel name copies in place in one launch per array shape; "xla" gathers and scatters
+    row_copy: str = "xla"
     policy: KernelPolicy = DEFAULT_POLICY
     # tensor parallelism: the ranks the step is split over and how row-parallel products are summed across them
     # (jaxmtp.pallas.collectives; set by jaxmtp.parallel for a sharded model, one device otherwise)
@@ -116,7 +119,7 @@ def auto_backend(platform_name: str, cfg=None, dtype=None, policy: KernelPolicy 
         return xla
     backend = dataclasses.replace(xla, attention=TRITON, gdn_chunk=TRITON, gdn_recurrent=TRITON, moe=TRITON,
                                   draft_head=TRITON, norm=TRITON, gdn_mixer=TRITON, attention_prelude=TRITON,
-                                  fp8_matmul=TRITON)
+                                  fp8_matmul=TRITON, row_copy=TRITON)
     if cfg is not None and cfg.hidden_size <= policy.matmul_kernel_max_hidden:
         backend = dataclasses.replace(backend, matmul=TRITON)
     if cfg is not None and cfg.hidden_size <= policy.out_matmul_max_hidden:
