@@ -133,6 +133,26 @@ def test_concurrent_sharers_a_small_pool_and_aborts_stay_exact(models, rng):
     assert eng.prefix_cache_stats()["evictions"] > 0
 
 
+def test_under_pressure_a_request_copies_each_prompt_block_in_once(models, rng):
+    """Four concurrent prompts in pools smaller than their blocks (each one's publication evicts another's): the
+    outputs stay those of a cold cache, and no request copies a block of its prompt into the pools twice (a finished
+    or decoding request whose prompt blocks were evicted does not publish them again)."""
+    model = models["dense"]
+    vocab = model.config.vocab_size - 2
+    roomy = _engine(model, 2)
+    entry = roomy.plan.prefix_cache // roomy.prefix_cache.num_blocks  # a block and a snapshot (equal-ish sizes)
+    eng = _engine(model, 2, cache_bytes=6 * entry, slots=4)
+    copies = []
+    queue = eng._queue_copy
+    eng._queue_copy = lambda block=None, snapshot=None: (copies.append(block), queue(block, snapshot))[1]
+    prompts = [rng.integers(0, vocab, 4 * G + 3).tolist() for _ in range(4)]
+    params = [SamplingParams(max_new_tokens=2 * G, ignore_eos=True)] * 4
+    got, _ = _run(eng, prompts, params)
+    assert got == [_run(_engine(model, 2, cache_bytes=0), [p], params[:1])[0][0] for p in prompts]
+    prompt_blocks = [(slot, start) for slot, start, _ in filter(None, copies) if start < 4 * G]
+    assert eng.prefix_cache_stats()["evictions"] > 0 and len(prompt_blocks) == len(set(prompt_blocks)), copies
+
+
 def test_the_pools_are_planned_and_allocated(models):
     eng = _engine(models["dense"], 3, cache_bytes=3 << 20)
     allocated = sum(a.nbytes for a in jax.tree_util.tree_leaves(eng._pool))

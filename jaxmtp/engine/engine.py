@@ -492,10 +492,15 @@ class Engine:
 
                 save, save_blocks = on_replicas(save, 4), on_replicas(save, 2)
                 restore = on_replicas(restore, 4, returns_pool=False)
-        # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call; its
-        # unused rows are gathered too (fixed shapes), so the capacity follows the prefill rows, not more.
+        # A batch holds a prefill call's publications (a snapshot and its missing blocks per row) in one call. XLA's
+        # copies gather its unused rows too (fixed shapes), so there the capacity follows the prefill rows; the
+        # row-copy kernel's programs for unused rows return at once, so a batch there holds several whole prefixes
+        # (fewer calls, each of which costs about half a millisecond of host time to dispatch).
         rows = self.max_prefill_batch * self.data_parallel
-        self._publications = _prefix.Publications(max_blocks=4 * rows, max_snaps=rows)
+        if layout is None and self.model.backend.row_copy != "xla":
+            self._publications = _prefix.Publications(max_blocks=max(4 * rows, 256), max_snaps=4 * rows)
+        else:
+            self._publications = _prefix.Publications(max_blocks=4 * rows, max_snaps=rows)
         # The state is read, not donated: a later call that donates it waits for this one (JAX orders them).
         self._save = jax.jit(save, donate_argnums=0, **save_out)
         self._save_blocks = jax.jit(save_blocks, donate_argnums=0, **save_out)
@@ -609,7 +614,9 @@ class Engine:
         or its budget): its slot holds exactly its prompt and output but the last token (steps commit what they emit),
         a final state, so hold it for a later prompt that continues the text: whole blocks as for prompts, the rows
         past the last boundary as a block of their own, and a snapshot keyed by every id and the last token
-        (:meth:`PrefixIndex.add_tail_snapshot`). The copies are queued (:meth:`_flush_publications`)."""
+        (:meth:`PrefixIndex.add_tail_snapshot`). The copies are queued (:meth:`_flush_publications`). Not when a
+        block of its prompt was evicted since its prefill: under pressure on the pools a request copies each prompt
+        block in at most once (copying them again evicted other prompts' blocks, each prompt in turn)."""
         if self.prefix_cache is None:
             return
         idx, g = self.prefix_cache, self.prefix_cache.granularity
@@ -619,6 +626,8 @@ class Engine:
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
         keys = _prefix.block_keys(seq, g, m)
+        if any(i < len(r.keys) for i in idx.missing_blocks(keys)):
+            return
         if length % g == 0:  # on the grid: a snapshot as a prompt's
             self._publish_snapshot(keys, seq, r.slot)
             return

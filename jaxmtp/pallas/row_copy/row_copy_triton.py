@@ -3,8 +3,8 @@ place (aliased: jit the caller with them donated, or XLA copies them first).
 
 Per head a move is one contiguous run of ``rows * D`` elements in each array. Program ``(i, h, a * chunks + c)``
 copies chunk c of move i's run for head h in pair a, a power of two of elements that divides the run (no chunk
-reads past it): many small programs, as a memcpy, keep enough loads in flight (a program per chunk looping over the
-pairs ran at about a third of the copy bandwidth). Programs of moves past ``count`` return at once. The prefix cache's copies (a slot's KV rows into a
+reads past it): many small programs, as in a memcpy, keep enough loads in flight. Programs of moves past ``count``
+return at once. The prefix cache's copies (a slot's KV rows into a
 block, a slot's GDN state into a snapshot, and back) thus read and write each byte once: XLA's gather and scatter
 first formed the rows in a temporary, and a loop of dynamic updates paid a launch per layer and move.
 """
