@@ -180,6 +180,7 @@ def test_the_index_keys_by_ids_and_the_boundary_token_and_evicts_least_recent_fi
     idx = PrefixIndex(8, num_blocks=4, num_snapshots=4)
     keys = block_keys(a, 8)
     assert len(keys) == 5 and keys == block_keys(a[:40], 8) and block_keys(a[:16], 8) == keys[:2]
+    assert block_keys(a, 8, 4, known=keys[:2]) == keys[:4] and block_keys(a, 8, 1, known=keys) == keys[:1]
     for i in range(2):
         assert idx.add_block(keys[i]) is not None
     snap = idx.add_snapshot(keys[:2], a[16])

@@ -625,7 +625,7 @@ class Engine:
         m = length // g
         if length < 1 or (m + (length % g > 0)) * g > self.max_context + self.k:
             return  # no whole tail block fits the slot's rows past the last boundary
-        keys = _prefix.block_keys(seq, g, m)
+        keys = _prefix.block_keys(seq, g, m, known=r.keys)  # the prompt's blocks are hashed already
         if any(i < len(r.keys) for i in idx.missing_blocks(keys)):
             return
         if length % g == 0:  # on the grid: a snapshot as a prompt's

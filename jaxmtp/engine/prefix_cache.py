@@ -10,12 +10,12 @@ again, against vLLM's recompute of a block on every hit under MTP).
 
 A snapshot is only taken of a final state. In a prompt: the end of a chunk that is not the prompt's last (prefill
 splits at multiples of G: ``prefill_chunk`` divides G), at the prompt's last boundary and at the point where it
-departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary: a snapshot
-weighs as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a copy to
-every chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a slot, whose steps
-commit exactly the tokens they emit (a tail snapshot, off the grid: a request that ended, or one still decoding
-that crossed a multiple of G). Never inside a verify window, never from a rejected draft, never from a request's
-partial work (an abort keeps what it published, which is exact).
+departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary: a snapshot weighs
+as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a copy to every
+chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a slot, whose steps
+commit exactly the tokens they emit (a tail snapshot, off the grid: a request that ended, or one still decoding that
+crossed a multiple of G). Never inside a verify window, never from a rejected draft, never from a request's partial
+work (an abort keeps what it published, which is exact).
 
 Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of the ids (SHA-256 of the previous
 block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
@@ -47,11 +47,14 @@ from jaxmtp.pallas.row_copy import copy_rows
 # ---------------------------------------------------------------------------------------------------------------
 # Host index
 # ---------------------------------------------------------------------------------------------------------------
-def block_keys(tokens: np.ndarray, granularity: int, n: int | None = None) -> list[bytes]:
-    """Chained keys of the first ``n`` whole blocks of ``tokens`` (default all): key i covers tokens 0..(i+1)G-1."""
+def block_keys(tokens: np.ndarray, granularity: int, n: int | None = None, known: list[bytes] = ()) -> list[bytes]:
+    """Chained keys of the first ``n`` whole blocks of ``tokens`` (default all): key i covers tokens 0..(i+1)G-1.
+    ``known``: the keys of a prefix of those blocks, already made (a request's prompt keys when it publishes its
+    output), extended rather than hashed again."""
     n = len(tokens) // granularity if n is None else n
-    keys, prev = [], b""
-    for i in range(n):
+    keys = list(known[:n])
+    prev = keys[-1] if keys else b""
+    for i in range(len(keys), n):
         h = hashlib.sha256(prev)
         h.update(np.ascontiguousarray(tokens[i * granularity : (i + 1) * granularity], np.int32).tobytes())
         prev = h.digest()
