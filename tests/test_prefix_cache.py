@@ -153,6 +153,32 @@ def test_under_pressure_a_request_copies_each_prompt_block_in_once(models, rng):
     assert eng.prefix_cache_stats()["evictions"] > 0 and len(prompt_blocks) == len(set(prompt_blocks)), copies
 
 
+def test_several_samples_of_a_request_publish_and_hit_as_one(models, rng):
+    """A request with n = 3 samples (the first's prefill copied into the others' slots): each sample's tokens equal
+    those of a cold cache, before and after a hit on the prefix its first turn published."""
+    model = models["dense"]
+    vocab = model.config.vocab_size - 2
+    prompt = rng.integers(0, vocab, 3 * G + 4).tolist()
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11, n=3, ignore_eos=True)
+
+    def samples(eng):
+        rid = eng.add_request(prompt, params)
+        out, cached = {}, {}
+        while eng.has_work():
+            for o in eng.step():
+                assert o.request_id == rid
+                out.setdefault(o.index, []).extend(o.token_ids)
+                if o.finished:
+                    cached[o.index] = o.num_cached_tokens
+        return [out[i] for i in range(3)], cached
+
+    want, _ = samples(_engine(model, 2, cache_bytes=0, slots=4))
+    eng = _engine(model, 2, slots=4)
+    assert samples(eng)[0] == want
+    got, cached = samples(eng)
+    assert got == want and cached[0] == 3 * G, cached
+
+
 def test_the_pools_are_planned_and_allocated(models):
     eng = _engine(models["dense"], 3, cache_bytes=3 << 20)
     allocated = sum(a.nbytes for a in jax.tree_util.tree_leaves(eng._pool))

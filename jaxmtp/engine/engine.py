@@ -536,11 +536,14 @@ class Engine:
 
     def _restore_prefixes(self, new) -> None:
         """Resume each newly admitted request at its longest cached prefix (the slot's KV rows and GDN carries
-        copied from the pools; its prefill continues from there)."""
+        copied from the pools; its prefill continues from there). Samples past a group's first (``waiting``: the
+        first's prefill is copied into their slots) get their prompt's keys only, which their outputs publish."""
         idx = self.prefix_cache
         max_blocks = (self.max_context + self.k) // idx.granularity
         for r in new:
             r.keys = idx.prompt_keys(r.prompt)  # hashed once: the lookup here, the snapshots its prefill publishes
+            if r.waiting:
+                continue
             # every position of a prompt_logprobs request must run (it still publishes)
             hit = idx.lookup(r.prompt, r.keys) if r.params.prompt_logprobs is None else None
             r.branch = idx.branch_point(r.prompt, r.keys, hit.tokens if hit else 0)
@@ -703,7 +706,7 @@ class Engine:
             if r.params.repetition_penalty != 1.0:
                 self._mark_prompt_ids(r)
         if self.prefix_cache is not None:
-            self._restore_prefixes([r for r in new if not r.waiting])
+            self._restore_prefixes(new)
         self._fork_samples()
         if self.state.oracle is not None:
             cap = self.state.oracle.seq.shape[1]
@@ -1063,9 +1066,11 @@ class Engine:
         self._warmup_plan, self._warmup_t0, self.warmup_seconds = list(keys), t0, None
         workers = compile_threads or min(8, os.cpu_count() or 1)
         bookkeeping = self._bookkeeping_calls()
-        later = []  # slot moves and the samples' copy are not in a first request's path: compiled after SERVING
+        # slot moves, the samples' copy and the prefix cache's restore (nothing can hit before a first request has
+        # published) are not in a first request's path: compiled after SERVING
+        later = []
         if background:
-            later = [c for c in bookkeeping if c[0] in (self._move, self._copy_carries)]
+            later = [c for c in bookkeeping if c[0] in (self._move, self._copy_carries, getattr(self, "_restore", None))]
             bookkeeping = [c for c in bookkeeping if c not in later]
         errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress,
                                      extra=[(fn, args()) for fn, args, _ in bookkeeping])
