@@ -98,9 +98,10 @@ def test_a_hit_gives_the_tokens_of_a_cold_cache(models, kind, k, rng):
         got, cached = _run(warm, [prompt], params, hit_drafts)
         assert got == want and hit_drafts == cold_drafts, (i, cached, hit_drafts, cold_drafts)
         # the prompt's KV rows, the target's and the MTP layer's (row P - 1 reads token P), as a cold prefill left them
+        # (up to the rounding of the resumed prefill's other chunk shapes: a wrong row differs by O(1))
         rows = len(prompt)
         for a, b in zip(_kv_rows(warm, rows), _kv_rows(cold, rows)):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"prompt {i}, cached {cached}")
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"prompt {i}, cached {cached}")
         assert cached[0] >= want_cached[i], (i, cached)  # later prompts may hit boundaries earlier ones added
     stats = warm.prefix_cache_stats()
     assert stats["hit_tokens"] >= sum(want_cached) and stats["evictions"] == 0, stats
@@ -268,10 +269,13 @@ def test_the_copy_kernel_fills_and_restores_as_the_jnp_copies(checkpoint_factory
         runs.append((_run(eng, [more], _params(2)[1:]), eng))
     ((ref_out, ref_cached), ref), ((out, cached), eng) = runs
     assert out == ref_out and cached == ref_cached == [3 * G]
+    # bit for bit on the CPU; on a GPU two engines' compiles may pick other product algorithms (autotuned), so the
+    # values copied round differently there, while a wrong copy still differs by O(1)
+    tol = {"rtol": 0, "atol": 0} if jax.default_backend() == "cpu" else {"rtol": 1e-5, "atol": 1e-6}
     for name, a, b in (("pools", ref._pool, eng._pool), ("carries", (ref.state.carry, ref.state.mtp_carry),
                                                           (eng.state.carry, eng.state.mtp_carry))):
         for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), err_msg=name, **tol)
 
 
 def test_a_batch_of_copies_lands_as_numpy_copies_made_in_order(rng):
