@@ -350,7 +350,8 @@ def save(pool: dict, state, blocks, n_blocks, snaps=None, n_snaps=None, dp_axis=
     if copy != "xla" and dp_axis is None:
         zero = jnp.zeros_like(blocks[:, 0])
         kv = _copy_kv(pool["kv"], [(c.k, c.v) for c in _kv_layers(state)],
-                      jnp.stack([blocks[:, 0], blocks[:, 1], blocks[:, 2], zero], 1), n_blocks, copy, into_pool=True)
+                      jnp.stack([blocks[:, 0], blocks[:, 1], blocks[:, 2], zero], 1), n_blocks, copy,
+                      pool["kv"][0][0].shape[2] if pool["kv"] else 0)
         if snaps is None:
             return {"kv": kv, "gdn": pool["gdn"]}
         zero = jnp.zeros_like(snaps[:, 0])
@@ -433,14 +434,13 @@ class Publications:
         return args
 
 
-def _copy_kv(dst_pairs: list, caches: list, moves, count, copy: str, into_pool: bool) -> list:
-    """KV ``(k, v)`` pairs ``dst_pairs`` with ``moves`` copied from ``caches``' pairs (slots' rows into pool blocks
-    ``into_pool``, else pool blocks into slots' rows); one :func:`copy_rows` launch for all layers."""
+def _copy_kv(dst_pairs: list, src_pairs: list, moves, count, copy: str, g: int) -> list:
+    """KV ``(k, v)`` pairs ``dst_pairs`` with ``moves`` of ``g`` rows (a pool block's) copied from ``src_pairs``
+    (slots' rows into pool blocks, or back); one :func:`copy_rows` launch for all layers."""
     if not dst_pairs:
         return []
-    srcs = [a for pair in caches for a in pair]
-    g = (dst_pairs[0][0] if into_pool else srcs[0]).shape[2]
-    flat = copy_rows([a for pair in dst_pairs for a in pair], srcs, moves, count, rows=g, implementation=copy)
+    flat = copy_rows([a for pair in dst_pairs for a in pair], [a for pair in src_pairs for a in pair], moves, count,
+                     rows=g, implementation=copy)
     return [tuple(flat[2 * i : 2 * i + 2]) for i in range(len(dst_pairs))]
 
 
@@ -465,8 +465,7 @@ def restore(state, pool: dict, slot, blocks, n_blocks, snap, dp_axis=None, copy:
         i = jnp.arange(blocks.shape[0], dtype=jnp.int32)
         g = pool["kv"][0][0].shape[2] if pool["kv"] else 0
         moves = jnp.stack([blocks, jnp.zeros_like(i), jnp.full_like(i, slot), i * g], 1)
-        kv = _copy_kv([(c.k, c.v) for c in _kv_layers(state)], pool["kv"], moves, jnp.where(live, n_blocks, 0),
-                      copy, into_pool=False) if pool["kv"] else []
+        kv = _copy_kv([(c.k, c.v) for c in _kv_layers(state)], pool["kv"], moves, jnp.where(live, n_blocks, 0), copy, g)
         gdn = _gdn_layers(state)
         if gdn:
             move = jnp.stack([snap, 0, slot, 0]).astype(jnp.int32)[None]
