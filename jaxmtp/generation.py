@@ -107,7 +107,7 @@ def _pow2(n: int, lo: int) -> int:
 
 
 def get_engine(model: Model, *, num_slots: int, max_context: int, num_draft_tokens: int | None,
-               steps_per_sync: int = 8, prefill_chunk: int = 256) -> Engine:
+               steps_per_sync: int = 8, prefill_chunk: int | None = None) -> Engine:
     """An engine for these settings, cached on the model so repeated calls reuse compiled steps."""
     cache = model.__dict__.setdefault("_engines", {})
     dp = model.layout.dp if model.layout is not None else 1

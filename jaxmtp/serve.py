@@ -79,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MTP draft tokens per verify step for every request (default 3 with an MTP head, else 0)")
     g.add_argument("--max-context", type=int, default=None,
                    help="tokens per request, prompt + output (default min(8192, the model's maximum))")
-    g.add_argument("--prefill-chunk", type=int, default=256, help="largest prompt chunk per prefill call")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="largest prompt chunk per prefill call, a power of two (default 1024 on a GPU or TPU, 256 on "
+                        "the CPU)")
+    g.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="most tokens (rows x chunk) in one prefill call: several prompts prefilled together take "
+                        "shorter chunks (default 2048, or one whole --prefill-chunk if larger)")
     g.add_argument("--steps-per-sync", type=int, default=8, help="speculative steps per device loop")
     g.add_argument("--max-prefill-batch", type=int, default=None,
                    help="prompts prefilled together (per data-parallel replica)")
@@ -91,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device memory for the prefix cache, e.g. 2GiB or 500MB (default auto: half what the memory "
                         "plan leaves free, at most every slot's whole context)")
     g.add_argument("--prefix-cache-granularity", type=int, default=None, metavar="TOKENS",
-                   help="tokens per cached block, a power of two >= --prefill-chunk (default max(256, chunk))")
+                   help="tokens per cached block, a power of two >= 16 (default 256)")
     g.add_argument("--no-slot-buckets", dest="slot_buckets", action="store_false",
                    help="always step every slot (default: the smallest power-of-two prefix of slots holding every "
                         "busy one; warm-up compiles one step per prefix size)")
@@ -143,7 +148,7 @@ def _config_from_args(args):
     return ServerConfig(
         host=args.host, port=args.port, num_slots=args.slots, max_context=args.max_context,
         num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, steps_per_sync=args.steps_per_sync,
-        max_prefill_batch=args.max_prefill_batch, slot_buckets=args.slot_buckets, max_queue=args.max_queue,
+        max_prefill_batch=args.max_prefill_batch, max_prefill_tokens=args.max_prefill_tokens, slot_buckets=args.slot_buckets, max_queue=args.max_queue,
         prefix_cache_memory=args.prefix_cache_memory if args.prefix_caching else 0,
         prefix_cache_granularity=args.prefix_cache_granularity,
         max_prompt_tokens=args.max_prompt_tokens,
@@ -188,9 +193,9 @@ async def serve(args) -> int:
     log.info("model %s (%s, %d layers, hidden %d, vocab %d, %.3g B parameters, %s) from %s", info.model_name,
              info.family, info.num_hidden_layers, info.hidden_size, info.vocab_size, info.num_parameters / 1e9,
              info.dtype, info.model_path or "-")
-    log.info("engine: %d slots x %d tokens of context, k=%d draft tokens, prefill chunk %d, %d steps per sync, "
-             "slot buckets %s, backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk, e.steps_per_sync,
-             e.slot_buckets, info.backend)
+    log.info("engine: %d slots x %d tokens of context, k=%d draft tokens, prefill chunk %d (%d tokens per call), "
+             "%d steps per sync, slot buckets %s, backend %s", e.num_slots, e.max_context, e.k, e.prefill_chunk,
+             e.max_prefill_tokens, e.steps_per_sync, e.slot_buckets, info.backend)
     if e.k:
         from jaxmtp.mtp import describe_draft_head
 
@@ -270,6 +275,9 @@ async def serve(args) -> int:
             log.info("warmed up in %.1f s (%d of the engine's %d executables%s): SERVING", seconds, w["done"],
                      w["total"], "; the rest compile in the background while idle" if w["compiled"] < w["total"]
                      else "")
+            plan = server.engine.plan
+            log.info("memory: prefill calls take up to %.0f MiB of temporaries (measured on the compiled prefill); "
+                     "the plan takes %.2f GiB", plan.prefill_activations / 2**20, plan.total / 2**30)
         await asyncio.wait({stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
         if failed.done() and not stop.is_set():
             log.error("the engine failed (see above): shutting down so that a supervisor can restart the server")

@@ -131,6 +131,31 @@ def test_step_compiles_once_and_prefill_shapes_are_bounded(models, reference):
     assert compiled["step"] == 1 and compiled["prefill"] <= 2 * 2  # row buckets {1, 2} x chunk buckets {16, 32}
 
 
+def test_the_plan_holds_the_largest_prefill_calls_activations(models, monkeypatch):
+    """The memory plan counts the temporaries of the most demanding prefill (2 rows x 32 here), as XLA reports them
+    for that program compiled on its own: estimated from above while only the one-row prefill is compiled (a
+    background warm-up), exact once it is compiled; a device too small for them is a clear error."""
+    from jaxmtp.engine import engine as engine_module
+    from jaxmtp.engine.warmup import prefill_args
+
+    eng = Engine(models["dense"], num_slots=4, max_context=96, num_draft_tokens=3, prefill_chunk=32,
+                 steps_per_sync=2, max_prefill_batch=2, slot_buckets=False)
+    before = eng.plan.total
+    eng.warmup(background=True)
+    eng.stop_background_compiles()
+    estimated = eng.plan.prefill_activations
+    temps = {rc: eng._prefill.lower(eng.model.params, eng.state, *prefill_args(*rc, eng.num_slots)())
+             .compile().memory_analysis().temp_size_in_bytes for rc in ((1, 32), (2, 16), (2, 32))}
+    assert estimated >= max(temps.values()) > 0, (estimated, temps)
+    eng.warmup()
+    assert eng.plan.prefill_activations == max(temps.values()) and eng.plan.total == before + max(temps.values())
+    assert "prefill call activations" in eng.plan.table()
+    monkeypatch.setattr(engine_module, "device_memory_bytes",
+                        lambda: int((before + eng.plan.prefill_activations // 2) / 0.9))
+    with pytest.raises(EngineConfigError, match="max_prefill_batch"):
+        eng._plan_prefill_activations()
+
+
 def test_warmup_falls_back_to_one_compile_at_a_time(models, reference, monkeypatch):
     """A compile that fails in warm-up's thread pool (as concurrent autotuning out of device memory would) leaves a
     warning, and the calls compile what is left: the engine still gives the plain greedy tokens."""

@@ -189,9 +189,10 @@ def test_the_pools_are_planned_and_allocated(models):
 
 def test_bad_settings_are_refused(models):
     m = models["dense"]
-    with pytest.raises(EngineConfigError, match="power of two >= prefill_chunk"):
-        Engine(m, num_slots=1, max_context=64, prefill_chunk=32, prefix_cache_memory=1 << 20,
-               prefix_cache_granularity=16)
+    for g in (8, 48):
+        with pytest.raises(EngineConfigError, match="power of two >= 16"):
+            Engine(m, num_slots=1, max_context=64, prefill_chunk=32, prefix_cache_memory=1 << 20,
+                   prefix_cache_granularity=g)
     with pytest.raises(EngineConfigError, match="holds no entry"):
         Engine(m, num_slots=1, max_context=64, prefill_chunk=16, prefix_cache_memory=100,
                prefix_cache_granularity=16)
@@ -250,6 +251,40 @@ def test_a_prompt_snapshots_its_last_boundary_and_where_it_leaves_a_published_pr
     _run(eng, [prompt], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
     stats = eng.prefix_cache_stats()  # 4 blocks and the snapshot at 4G; a tail block and snapshot at 4G + 8
     assert (stats["blocks"], stats["snapshots"]) == (5, 2), stats
+
+
+def test_with_a_chunk_longer_than_the_granularity_chunks_end_where_snapshots_are_taken(models, rng, monkeypatch):
+    """G = 16 under 64-token chunks: a prompt's chunk ends at its last boundary and at its branch point (snapshots
+    are of a chunk's final state), and hits resume on the G grid with the tokens and drafts of a cold cache."""
+    model = models["dense"]
+    vocab = model.config.vocab_size - 2
+
+    def engine(cache_bytes):
+        return Engine(model, num_slots=2, max_context=160, num_draft_tokens=3, prefill_chunk=4 * G,
+                      steps_per_sync=4, prefix_cache_memory=cache_bytes, prefix_cache_granularity=G)
+
+    warm = engine(1 << 24)
+    ends, group = [], warm._prefill_group
+
+    def recorded(rows, outputs):
+        done = group(rows, outputs)
+        ends.append(rows[0].prefilled)
+        return done
+
+    monkeypatch.setattr(warm, "_prefill_group", recorded)
+    base = rng.integers(0, vocab, 3 * G + 5).tolist()
+    _run(warm, [base], _params(1))
+    assert ends == [3 * G, 3 * G + 5]  # one 64-token chunk would have covered the prompt: it stops at its boundary
+    sibling = base[: 2 * G + 1] + [(base[2 * G + 1] + 1) % vocab] + rng.integers(0, vocab, 40).tolist()
+    ends.clear()
+    _run(warm, [sibling], _params(1))  # no hit (nothing published before 3G); leaves base at token 2G + 1
+    assert 2 * G in ends, ends  # its branch point, inside its first chunk
+    for prompt, want in ((base + rng.integers(0, vocab, 7).tolist(), 3 * G),
+                         (base[: 2 * G + 1] + rng.integers(0, vocab, 30).tolist(), 2 * G)):
+        cold_drafts, hit_drafts = [], []
+        want_tokens, _ = _run(engine(0), [prompt], _params(2)[1:], cold_drafts)
+        got, cached = _run(warm, [prompt], _params(2)[1:], hit_drafts)
+        assert got == want_tokens and hit_drafts == cold_drafts and cached == [want], (cached, want)
 
 
 def test_the_copy_kernel_fills_and_restores_as_the_jnp_copies(checkpoint_factory, models, rng):

@@ -30,7 +30,7 @@ from jaxmtp.engine import prefix_cache as _prefix
 from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
-from jaxmtp.engine.policy import default_num_draft_tokens
+from jaxmtp.engine.policy import default_max_prefill_tokens, default_num_draft_tokens, default_prefill_chunk
 from jaxmtp.param_layout import weight_bytes
 from jaxmtp.parallel import DP, data_parallel_prefill, device_bytes, state_specs
 from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_strings
@@ -169,9 +169,14 @@ class Engine:
         num_draft_tokens: k; None picks :func:`jaxmtp.engine.policy.default_num_draft_tokens` (3 for dense models
             with an MTP head up to 64 slots, and for MoE models on the grouped-expert kernel; less for MoE models on the
             XLA path at larger slot counts; 0 without an MTP head).
-        prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...).
+        prefill_chunk: largest prompt chunk per prefill call (shorter ones use buckets 16, 64, 256, ...); None:
+            :func:`jaxmtp.engine.policy.default_prefill_chunk` (1024 on accelerators, 256 on the CPU).
         steps_per_sync: speculative steps per device loop before the host reads tokens.
-        max_prefill_batch: prompts prefilled together in one call (under data parallelism: per replica).
+        max_prefill_batch: prompts prefilled together in one call (under data parallelism: per replica); default
+            min(num_slots, 8, max_prefill_tokens // 16).
+        max_prefill_tokens: most tokens (rows x chunk, per replica) in one prefill call, >= ``prefill_chunk``; a call
+            of several rows takes a shorter chunk to stay within it (SGLang's ``--max-prefill-tokens``); None:
+            :func:`jaxmtp.engine.policy.default_max_prefill_tokens` (2048, or one whole chunk if larger).
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
             slot, each prefix compiled once (``warmup`` compiles them all); under data parallelism the same prefix
             of every replica's slots; False: always all slots.
@@ -181,14 +186,15 @@ class Engine:
             for KV blocks and half for GDN snapshots; ``"auto"``: half what the memory plan leaves free, at most every
             slot's whole context; 0 (default): off. A request whose prompt begins with an earlier prompt's prefix
             resumes after it with the same tokens (``RequestOutput.num_cached_tokens``).
-        prefix_cache_granularity: G, the cached prefixes' unit in tokens (a power of two >= ``prefill_chunk``;
-            default max(256, ``prefill_chunk``)).
+        prefix_cache_granularity: G, the cached prefixes' unit in tokens (a power of two >= 16; default 256). A
+            prompt's chunks end at the boundaries it publishes, so G and ``prefill_chunk`` are independent.
     """
 
     def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
-                 num_draft_tokens: int | None = None, prefill_chunk: int = 256, steps_per_sync: int = 8,
+                 num_draft_tokens: int | None = None, prefill_chunk: int | None = None, steps_per_sync: int = 8,
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None,
-                 slot_buckets: bool = True, prefix_cache_memory=0, prefix_cache_granularity: int | None = None):
+                 slot_buckets: bool = True, prefix_cache_memory=0, prefix_cache_granularity: int | None = None,
+                 max_prefill_tokens: int | None = None):
         cfg = model.config
         if num_draft_tokens is None:
             num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
@@ -204,18 +210,27 @@ class Engine:
                 f"max_context must be in [2, {cfg.max_position_embeddings}] (the model's max_position_embeddings), "
                 f"got {max_context}"
             )
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(jax.tree.leaves(model.params)[0].devices().pop().platform)
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
-        if max_prefill_batch is not None and max_prefill_batch < 1:
-            raise EngineConfigError(f"max_prefill_batch must be >= 1, got {max_prefill_batch}")
+        max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(prefill_chunk)
+        if max_prefill_tokens < prefill_chunk:
+            raise EngineConfigError(f"max_prefill_tokens={max_prefill_tokens} must hold one whole prefill_chunk "
+                                    f"({prefill_chunk})")
+        if max_prefill_batch is not None and not 1 <= max_prefill_batch <= max_prefill_tokens // 16:
+            raise EngineConfigError(f"max_prefill_batch must be in [1, {max_prefill_tokens // 16}] (rows of at least "
+                                    f"16 tokens within max_prefill_tokens={max_prefill_tokens}), got "
+                                    f"{max_prefill_batch}")
         self.model = model
         self.cfg = cfg
         self.k = num_draft_tokens
         self.num_slots = num_slots
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens
         self.steps_per_sync = steps_per_sync
-        self.max_prefill_batch = max_prefill_batch or min(num_slots, 8)
+        self.max_prefill_batch = max_prefill_batch or min(num_slots, 8, max_prefill_tokens // 16)
         layout = model.layout  # tensor parallelism (jaxmtp.parallel): the device functions run one rank's shapes
         run_cfg = model.run_config
         self.data_parallel = dp = layout.dp if layout is not None else 1
@@ -228,8 +243,9 @@ class Engine:
         self.plan = memory_plan(run_cfg, per_replica, max_context, self.k, model.dtype, weights=weights)
         self.prefix_cache = self._pool = None
         if prefix_cache_memory:
-            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or max(256, prefill_chunk),
+            self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or _prefix.DEFAULT_GRANULARITY,
                                     device_memory_bytes() if check_memory else None)
+        self.check_memory = check_memory
         if check_memory:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
@@ -513,9 +529,8 @@ class Engine:
         takes (a block and a snapshot per G tokens). On a mesh the bytes are one device's: a rank's share of each
         entry, every entry on each data-parallel replica."""
         auto = memory == "auto"
-        if granularity < self.prefill_chunk or granularity & (granularity - 1):
-            raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= prefill_chunk "
-                                    f"({self.prefill_chunk}), got {granularity}: snapshots are taken at chunk ends")
+        if granularity < 16 or granularity & (granularity - 1):
+            raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= 16, got {granularity}")
         capacity = self.max_context + self.k
         # one device's entry: a rank's heads under tensor parallelism (the pools split over the ranks as the carries)
         shapes = jax.eval_shape(lambda: steps.init_state(self.model.run_config, 1, capacity, self.k, self.model.dtype))
@@ -771,10 +786,12 @@ class Engine:
             b *= 2
         return min(b, hi)
 
-    def _chunk_bucket(self, n: int) -> int:
-        """Prompt chunk lengths: 16, 64, 256, ... (x4) capped at prefill_chunk: few compiled shapes."""
+    def _chunk_bucket(self, n: int, rows: int = 1) -> int:
+        """Prompt chunk lengths: 16, 64, 256, ... (x4) capped at prefill_chunk: few compiled shapes; for a call of
+        ``rows`` rows, the longest bucket within ``max_prefill_tokens / rows`` at most."""
+        cap = max(16, min(self.prefill_chunk, self.max_prefill_tokens // rows))
         b = 16
-        while b < n and b < self.prefill_chunk:
+        while b < n and b < self.prefill_chunk and min(b * 4, self.prefill_chunk) <= cap:
             b *= 4
         return min(b, self.prefill_chunk)
 
@@ -800,8 +817,12 @@ class Engine:
         for i, r in zip(row_of, group):
             start = r.prefilled
             n = min(chunk, limit[id(r)] - start)
-            if self.prefix_cache is not None and start % self.prefix_cache.granularity:  # resumed off the grid
-                n = min(n, self.prefix_cache.granularity - start % self.prefix_cache.granularity)
+            if self.prefix_cache is not None:
+                g = self.prefix_cache.granularity
+                if start % g:  # resumed off the grid
+                    n = min(n, g - start % g)
+                # end the chunk where the prompt publishes a snapshot (taken of the state a chunk ends with)
+                n = min([n] + [p - start for p in (r.branch, len(r.keys or ()) * g) if start < p < start + n])
             slots[i] = r.slot
             tokens[i, :n] = r.prompt[start : start + n]
             positions[i, :n] = np.arange(start, start + n)
@@ -910,9 +931,9 @@ class Engine:
                 ex[key] = _warmup.Executable(key, self._prefill, _warmup.prefill_args(rows * self.data_parallel,
                                                                                          chunk, self.num_slots),
                                              identity=(self._identity, key))
-                if chunk >= self.prefill_chunk:
+                if chunk >= self._chunk_bucket(self.prefill_chunk, rows):
                     break
-                chunk = self._chunk_bucket(chunk + 1)
+                chunk = self._chunk_bucket(chunk + 1, rows)
             if rows >= self.max_prefill_batch:
                 break
             rows = self._bucket(rows + 1, 1, self.max_prefill_batch)
@@ -946,7 +967,8 @@ class Engine:
         """(rows, chunk) of the prefill call for ``n_rows`` prompts whose longest remaining part (capped at the
         chunk) is ``n_tokens``: the buckets; while a background warm-up runs, the compiled shape with the fewest
         padded tokens among those with enough rows (a shorter chunk splits the prompts, a longer one pads)."""
-        rows, chunk = self._bucket(n_rows, 1, self.max_prefill_batch), self._chunk_bucket(n_tokens)
+        rows = self._bucket(n_rows, 1, self.max_prefill_batch)
+        chunk = self._chunk_bucket(n_tokens, rows)
         if not self._lazy or _warmup.prefill_key(rows, chunk) in self._ready:
             return rows, chunk
         ready = [(k[1], k[2]) for k in tuple(self._ready) if k[0] == "prefill" and k[1] >= rows]
@@ -1092,6 +1114,7 @@ class Engine:
         for fn, args, returns in bookkeeping:  # compiled above: each called once on ids past the slots (no effect)
             setattr(self, "_pool" if returns == "pool" else "state", fn(*args()))
         jax.block_until_ready(self.state.length)
+        self._plan_prefill_activations()
         self.warmup_seconds = time.perf_counter() - t0
         rest = [ex for ex in self.executables.values() if not ex.ready]
         if background and (rest or later):
@@ -1103,6 +1126,37 @@ class Engine:
                 self._ready.add, idle=lambda: not self.has_work(),
                 extra=[(fn, args) for fn, args, _ in later]).start()
         return self.warmup_seconds
+
+    def _plan_prefill_activations(self) -> None:
+        """Put the temporaries of the engine's most demanding prefill call into the memory plan: read from each
+        compiled prefill executable (XLA's own figure), and for a shape not compiled yet (a background warm-up)
+        estimated as rows x the persistent bytes of a slot (a call of several rows gathers each row's carries: KV
+        rows, GDN states) + its tokens x the per-token temporaries of the longest one-row call compiled. Measured on
+        an H200 at 4B shapes, 8 slots x 8192 tokens (docs/engine.md, "Prefill"), the estimate is 4-23% above XLA's
+        figure for every shape of several rows (one row of a shorter chunk it underestimates, but the longer chunk
+        measured bounds it). Raises EngineConfigError if the plan no longer fits the device."""
+        shapes = [key for key in self.executables if key[0] == "prefill"]
+        temps = {key: _warmup.temp_bytes(self.executables[key].compiled) for key in shapes
+                 if self.executables[key].compiled is not None}
+        temps = {key: t for key, t in temps.items() if t is not None}
+        one_row = [(key[2], t) for key, t in temps.items() if key[1] == 1]
+        if not one_row:
+            return
+        chunk, temp = max(one_row)
+        per_token = temp / chunk
+
+        def estimate(rows, chunk):
+            return int((rows > 1) * rows * self.plan.persistent_per_slot + rows * chunk * per_token)
+
+        need = max(temps.get(key, estimate(key[1], key[2])) for key in shapes)
+        self.plan = dataclasses.replace(self.plan, prefill_activations=need)
+        if self.check_memory:
+            try:
+                check_fits(self.plan, device_memory_bytes())
+            except EngineConfigError as e:
+                raise EngineConfigError(f"{e}\na prefill call needs up to {need / 2**20:.0f} MiB of temporaries: "
+                                        "lower max_prefill_batch (--max-prefill-batch), max_prefill_tokens "
+                                        "(--max-prefill-tokens) or the slots") from None
 
     def _bookkeeping_calls(self) -> list[tuple]:
         """The small functions every request uses (slot moves, the samples' copy, the prefix cache's copies,

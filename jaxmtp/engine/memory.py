@@ -7,6 +7,10 @@ Per slot (``capacity`` = max context + k rows of KV headroom for the verify wind
 * verify window (transient, one step): per GDN layer the window's raw conv inputs (k+1 rows of conv channels)
   and its conv outputs k and v (k+1 rows), all in the model dtype, and its float32 gates; plus the k+1 rows of
   float32 logits. (No per-token states: the accepted prefix is committed by running the rule again.)
+
+Per engine, transient: one prefill call's activations (``prefill_activations``), read from its compiled executable
+(XLA's temporary buffers, :meth:`jaxmtp.engine.Engine.warmup`): they follow the backend's kernels and fusions more
+than any formula of the config.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class MemoryPlan:
     k: int
     prefix_cache: int = 0  # the prefix cache's block and snapshot pools (jaxmtp.engine.prefix_cache)
     processing_per_slot: int = 0  # logits processing: output counts, prompt marks, logit bias (engine.steps)
+    prefill_activations: int = 0  # one prefill call's temporaries at the engine's largest rows x chunk (measured)
 
     @property
     def persistent_per_slot(self) -> int:
@@ -93,7 +98,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.slots * self.per_slot + self.prefix_cache
+        return self.weights + self.slots * self.per_slot + self.prefix_cache + self.prefill_activations
 
     def table(self) -> str:
         gib = lambda b: f"{b / 2**20:10.2f} MiB"  # noqa: E731
@@ -103,6 +108,7 @@ class MemoryPlan:
             ("verify window per slot (transient)", self.verify_window_per_slot),
             ("logits processing per slot", self.processing_per_slot),
             ("logits per slot (transient)", self.logits_per_slot), ("prefix cache pools", self.prefix_cache),
+            ("prefill call activations (transient)", self.prefill_activations),
             (f"total ({self.slots} slots, {self.capacity} KV rows, k={self.k})", self.total),
         ]
         return "\n".join(f"  {name:45s}{gib(b)}" for name, b in rows)
@@ -158,7 +164,8 @@ def device_memory_bytes(device=None) -> int | None:
 def most_slots(plan: MemoryPlan, available: int, headroom: float = 0.9) -> int:
     """The most slots of ``plan``'s context that fit in ``headroom`` of ``available`` bytes beside the weights (and
     the prefix cache's pools)."""
-    return max(0, int((headroom * available - plan.weights - plan.prefix_cache) // max(plan.per_slot, 1)))
+    return max(0, int((headroom * available - plan.weights - plan.prefix_cache - plan.prefill_activations)
+                      // max(plan.per_slot, 1)))
 
 
 def check_fits(plan: MemoryPlan, available: int | None, headroom: float = 0.9) -> None:

@@ -9,7 +9,7 @@ recompute; one that departs exactly at token P resumes at the boundary before (t
 again, against vLLM's recompute of a block on every hit under MTP).
 
 A snapshot is only taken of a final state. In a prompt: the end of a chunk that is not the prompt's last (prefill
-splits at multiples of G: ``prefill_chunk`` divides G), at the prompt's last boundary and at the point where it
+ends a chunk at each boundary the prompt publishes, whatever ``prefill_chunk``), at the prompt's last boundary and at the point where it
 departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary: a snapshot weighs
 as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a copy to every
 chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a slot, whose steps
@@ -43,6 +43,7 @@ from jaxmtp.layers.attention import KVCache
 from jaxmtp.layers.gated_deltanet import GDNCarry
 from jaxmtp.pallas.row_copy import copy_rows
 
+DEFAULT_GRANULARITY = 256  # G: tokens per block, and the grid where hits resume
 
 # ---------------------------------------------------------------------------------------------------------------
 # Host index

@@ -122,6 +122,15 @@ def background_order(keys, slot_buckets: list[int]) -> list[tuple]:
     return sorted(keys, key=rank)
 
 
+def temp_bytes(compiled) -> int | None:
+    """Bytes of temporary buffers ``compiled`` (a compiled executable) takes while it runs, as XLA reports them
+    (None where the executable does not say)."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - an executable or backend without memory statistics
+        return None
+
+
 def compile_one(ex: Executable, params, state, phase: str) -> Executable:
     """Make ``ex`` ready: load it from the ahead-of-time store (:mod:`jaxmtp.engine.aot`), else trace, lower and
     compile it and store it; records seconds and cache use."""

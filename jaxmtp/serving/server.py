@@ -59,7 +59,8 @@ _REQUEST_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it is sent back as
 class ServerConfig:
     """Server settings (``python -m jaxmtp.serve --help`` documents each as a flag).
 
-    None for ``max_context`` / ``num_draft_tokens`` / ``max_prefill_batch`` means the engine's default; None for
+    None for ``max_context`` / ``num_draft_tokens`` / ``prefill_chunk`` / ``max_prefill_batch`` /
+    ``max_prefill_tokens`` means the engine's default; None for
     ``max_prompt_tokens`` means ``max_context - 1``, for ``max_new_tokens_limit`` ``max_context``, for
     ``max_request_seconds`` no server-side limit (client deadlines always apply).
     """
@@ -69,9 +70,10 @@ class ServerConfig:
     num_slots: int = 8
     max_context: int | None = None
     num_draft_tokens: int | None = None
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None
     steps_per_sync: int = 8
     max_prefill_batch: int | None = None
+    max_prefill_tokens: int | None = None
     slot_buckets: bool = True
     max_queue: int = 256
     max_prompt_tokens: int | None = None
@@ -83,7 +85,7 @@ class ServerConfig:
     served_model_name: str | None = None
     background_compile: bool = True  # compile only what serves every request before SERVING, the rest after
     prefix_cache_memory: int | str = "auto"  # bytes for the prefix cache (jaxmtp.Engine), "auto", or 0: off
-    prefix_cache_granularity: int | None = None  # tokens per cached block (default max(256, prefill_chunk))
+    prefix_cache_granularity: int | None = None  # tokens per cached block (default 256)
     progress: bool = False  # warm-up progress bar on stderr
     api_key: str | None = None  # required as metadata "authorization: Bearer <key>" (health calls exempt)
     ssl_certfile: str | None = None  # TLS: PEM certificate chain and private key (both or neither)
@@ -245,6 +247,7 @@ class GenerationServer:
         self.engine = Engine(model, num_slots=cfg.num_slots, max_context=cfg.max_context,
                              num_draft_tokens=cfg.num_draft_tokens, prefill_chunk=cfg.prefill_chunk,
                              steps_per_sync=cfg.steps_per_sync, max_prefill_batch=cfg.max_prefill_batch,
+                             max_prefill_tokens=cfg.max_prefill_tokens,
                              slot_buckets=cfg.slot_buckets, prefix_cache_memory=cfg.prefix_cache_memory,
                              prefix_cache_granularity=cfg.prefix_cache_granularity)
         mc = self.engine.max_context
