@@ -133,12 +133,12 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
     state = eng._admit(eng.state, ids, zi + 10**9, zf, zi, zf + 1, zi.astype(jnp.uint32), zi.astype(jnp.uint32),
                        jnp.full((s, eng.state.stop_ids.shape[1]), -1, jnp.int32),
                        {name: jnp.asarray(v) for name, v in steps.neutral_processing(s).items()})
-    new = state.replace(length=jnp.full((s,), context, jnp.int32),
-                        last=jnp.asarray(rng.integers(0, vocab, s), jnp.int32),
-                        drafts=jnp.asarray(rng.integers(0, vocab, eng.state.drafts.shape), jnp.int32),
-                        generated=jnp.ones((s,), jnp.int32), active=jnp.ones((s,), bool))
-    # placed as the engine's state is (a sharded model's state spans the mesh; the loop donates it)
-    eng.state = jax.device_put(new, jax.tree.map(lambda a: a.sharding, state))
+    fields = dict(length=np.full((s,), context, np.int32), last=rng.integers(0, vocab, s).astype(np.int32),
+                  drafts=rng.integers(0, vocab, eng.state.drafts.shape).astype(np.int32),
+                  generated=np.ones((s,), np.int32), active=np.ones((s,), bool))
+    # from the host, placed as the engine's state is (a sharded model's state spans the mesh, in the mesh's device
+    # order; the loop donates it)
+    eng.state = state.replace(**{name: jax.device_put(v, getattr(state, name).sharding) for name, v in fields.items()})
 
 
 def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:

@@ -211,7 +211,8 @@ class Engine:
                 f"got {max_context}"
             )
         if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk(jax.tree.leaves(model.params)[0].devices().pop().platform)
+            devices = model.layout.mesh.devices.flat if model.layout is not None else jax.devices()
+            prefill_chunk = default_prefill_chunk(next(iter(devices)).platform)
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(prefill_chunk)
