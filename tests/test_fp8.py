@@ -94,7 +94,9 @@ def test_logits_and_drafts_equal_the_dequantised_twin(which, dense_dirs, moe_dir
     ids = rng.integers(0, 100, (2, 11))
     for fn in ("logits", "draft_logits"):
         a, b = getattr(m8, fn)(ids), getattr(mt, fn)(ids)
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5, fn
+        # equal weights (test above), products laid out differently ([out, in] e4m3 dequantised and transposed in
+        # the program against the twin's stored layout): float32 rounding, measured up to 1.1e-5 on the MoE draw
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5, fn
 
 
 @pytest.mark.parametrize("ks", [(1, 3), pytest.param((2, 4), marks=pytest.mark.slow)])

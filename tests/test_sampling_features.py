@@ -259,8 +259,11 @@ def test_n_samples_equal_single_requests_and_prefill_the_prompt_once(engine, rng
     assert eng.prefilled_tokens - before == len(prompt) - 1 + 3  # all but the last token once, then one each
     assert sorted(toks) == [0, 1, 2] == sorted(final)
     singles = [run(eng, [prompt], p.sample(i))[0] for i in range(3)]
-    assert [(t, [x.logprob for x in lp]) for t, lp, _ in singles] == [
-        (toks[i], [x.logprob for x in lps[i]]) for i in range(3)]
+    assert [t for t, _, _ in singles] == [toks[i] for i in range(3)]
+    # the log-probabilities to float32 rounding: a single request prefills its last prompt token in its last chunk,
+    # the samples in a chunk of their own (other shapes, other rounding)
+    for i, (_, lp, _) in enumerate(singles):
+        np.testing.assert_allclose([x.logprob for x in lp], [x.logprob for x in lps[i]], rtol=1e-6)
     assert p.sample(2).seed == 0 and len({tuple(t) for t in toks.values()}) > 1  # seed + i wraps; samples differ
 
 
