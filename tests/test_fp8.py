@@ -94,7 +94,7 @@ def test_logits_and_drafts_equal_the_dequantised_twin(which, dense_dirs, moe_dir
     ids = rng.integers(0, 100, (2, 11))
     for fn in ("logits", "draft_logits"):
         a, b = getattr(m8, fn)(ids), getattr(mt, fn)(ids)
-        # equal weights (test above), products of other shapes: the twin fuses in_proj_qkv|z and the shared
+        # equal weights (test above), products of other shapes: the twin fuses in_proj_qkv|z|b|a and the shared
         # expert's gate|up into one product each, while FP8 weights fuse only where every part is whole 128-row
         # scale blocks, which this tiny model's widths (80, 48, 72) are not; float32 rounding of other shapes
         # measured up to 1.1e-5 on the MoE draw
