@@ -39,39 +39,25 @@ INTERP = jax.default_backend() == "cpu"
 B = 128
 _MAGIC = 0x4B000000
 
-ASM_BF16 = """{
-.reg .b32 m, a, b;
-and.b32 m, $2, 0x7F7F7F7F;
-prmt.b32 a, m, 0, 0x1404;
-prmt.b32 b, $2, 0, 0x1404;
-shr.b32 a, a, SHIFT;
-lop3.b32 $0, a, b, 0x80008000, 0xF8;
-prmt.b32 a, m, 0, 0x3424;
-prmt.b32 b, $2, 0, 0x3424;
-shr.b32 a, a, SHIFT;
-lop3.b32 $1, a, b, 0x80008000, 0xF8;
-}"""
 
-ASM_F32 = """{
-.reg .b32 m, a, b;
-and.b32 m, $4, 0x7F7F7F7F;
-prmt.b32 a, m, 0, 0x0444;
-prmt.b32 b, $4, 0, 0x0444;
-shr.b32 a, a, 4;
-lop3.b32 $0, a, b, 0x80000000, 0xF8;
-prmt.b32 a, m, 0, 0x1444;
-prmt.b32 b, $4, 0, 0x1444;
-shr.b32 a, a, 4;
-lop3.b32 $1, a, b, 0x80000000, 0xF8;
-prmt.b32 a, m, 0, 0x2444;
-prmt.b32 b, $4, 0, 0x2444;
-shr.b32 a, a, 4;
-lop3.b32 $2, a, b, 0x80000000, 0xF8;
-prmt.b32 a, m, 0, 0x3444;
-prmt.b32 b, $4, 0, 0x3444;
-shr.b32 a, a, 4;
-lop3.b32 $3, a, b, 0x80000000, 0xF8;
-}"""
+def _asm(selectors, shift: int, sign: int) -> str:
+    """PTX for four e4m3 bytes (input register ``$n``, n = the outputs) into ``len(selectors)`` registers: per output,
+    ``prmt`` places the magnitude bytes (sign cleared) and the bytes as they are at the top of each 16- or 32-bit
+    lane, ``shr`` moves the magnitudes' 4 exponent + 3 mantissa bits into the float's exponent and mantissa, and
+    ``lop3`` (a | (b & c), table 0xF8) adds the signs."""
+    src = f"${len(selectors)}"
+    lines = [".reg .b32 m, a, b;", f"and.b32 m, {src}, 0x7F7F7F7F;"]
+    for i, sel in enumerate(selectors):
+        lines += [f"prmt.b32 a, m, 0, {sel:#06x};", f"prmt.b32 b, {src}, 0, {sel:#06x};", f"shr.b32 a, a, {shift};",
+                  f"lop3.b32 ${i}, a, b, {sign:#010x}, 0xF8;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# two bytes per 32-bit output: float16 (shift 1, weight x 2^-8) or bfloat16 (shift 4, x 2^-120); one byte per
+# output: float32 (shift 4, x 2^-120)
+ASM_F16 = _asm((0x1404, 0x3424), 1, 0x80008000)
+ASM_BF16 = _asm((0x1404, 0x3424), 4, 0x80008000)
+ASM_F32 = _asm((0x0444, 0x1444, 0x2444, 0x3444), 4, 0x80000000)
 
 # factor the widened value carries: true = widened * FACTOR
 FACTOR = {"cvt": 1.0, "f16asm": 2.0**8, "f16int": 2.0**8, "bf16asm": 2.0**120, "bf16int": 2.0**120,
@@ -88,8 +74,8 @@ def widen(u, how):
         if how == "f32asm":
             return pltr.elementwise_inline_asm(ASM_F32, args=[u], constraints="=r,=r,=r,=r,r", pack=4,
                                                result_shape_dtypes=[jax.ShapeDtypeStruct(u.shape, jnp.float32)])[0]
-        dt, shift = (jnp.bfloat16, "4") if how == "bf16asm" else (jnp.float16, "1")
-        return pltr.elementwise_inline_asm(ASM_BF16.replace("SHIFT", shift), args=[u], constraints="=r,=r,r", pack=4,
+        asm, dt = (ASM_BF16, jnp.bfloat16) if how == "bf16asm" else (ASM_F16, jnp.float16)
+        return pltr.elementwise_inline_asm(asm, args=[u], constraints="=r,=r,r", pack=4,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(u.shape, dt)])[0]
     i = u.astype(jnp.int32)
     if how.startswith("f32"):
