@@ -21,10 +21,10 @@ explicitly: every request's statistics report its measured acceptance.
 Prefill (:func:`default_prefill_chunk`, :func:`default_max_prefill_tokens`): on a GPU a 32k-token prompt's time to
 first token fell 1.86x (4B) and 1.44x (27B) from 256-token chunks to 1024 and only 1.15x / 1.05x more at 2048 (H100,
 docs/performance.md, "Prefill"), while a chunk holds up the other requests' decoding for its duration (about 30 ms at
-4B, 120 ms at 27B for 1024 tokens): accelerators take 1024. A call's tokens (rows x chunk) stay within a budget of
-2048, the activations of the 8 rows x 256 tokens that the memory plan's headroom was sized with, so one long prompt
-runs 1024-token chunks and several prompts share a call in shorter ones. The CPU keeps 256 (its compiles and the
-default model's prompts are short).
+4B, 120 ms at 27B for 1024 tokens): GPUs take 1024, and TPUs the same (not measured there). A call's tokens (rows x
+chunk) stay within 2048, as many as 8 rows of 256, so one long prompt runs 1024-token chunks and several prompts
+share a call in shorter ones (the memory plan counts the call's temporaries, :meth:`jaxmtp.engine.Engine.warmup`).
+The CPU keeps 256 (its compiles and the default model's prompts are short).
 """
 
 from __future__ import annotations
