@@ -148,7 +148,8 @@ def _config_from_args(args):
     return ServerConfig(
         host=args.host, port=args.port, num_slots=args.slots, max_context=args.max_context,
         num_draft_tokens=args.num_draft_tokens, prefill_chunk=args.prefill_chunk, steps_per_sync=args.steps_per_sync,
-        max_prefill_batch=args.max_prefill_batch, max_prefill_tokens=args.max_prefill_tokens, slot_buckets=args.slot_buckets, max_queue=args.max_queue,
+        max_prefill_batch=args.max_prefill_batch, max_prefill_tokens=args.max_prefill_tokens,
+        slot_buckets=args.slot_buckets, max_queue=args.max_queue,
         prefix_cache_memory=args.prefix_cache_memory if args.prefix_caching else 0,
         prefix_cache_granularity=args.prefix_cache_granularity,
         max_prompt_tokens=args.max_prompt_tokens,

@@ -156,6 +156,38 @@ def test_the_plan_holds_the_largest_prefill_calls_activations(models, monkeypatc
         eng._plan_prefill_activations()
 
 
+def test_a_prefill_token_budget_caps_rows_times_chunk_and_keeps_the_tokens(models, engines, reference, rng,
+                                                                           monkeypatch):
+    """max_prefill_tokens: every compiled and every run prefill shape holds at most that many tokens (several rows
+    take a shorter chunk, one row the whole chunk), and the greedy k = 3 tokens are the plain ones."""
+    prompts, ref = reference
+    long = rng.integers(0, EOS, 80).tolist()  # alone: one row of 64, then 16
+    prompts, ref = prompts + [long], ref + [run(engines("dense", 0), [long], SamplingParams(max_new_tokens=12,
+                                                                                              ignore_eos=True))[0][0]]
+    eng = Engine(models["dense"], num_slots=4, max_context=96, num_draft_tokens=3, prefill_chunk=64,
+                 max_prefill_tokens=64, steps_per_sync=2, max_prefill_batch=4, slot_buckets=False)
+    compiled = {(key[1], key[2]) for key in eng.executables if key[0] == "prefill"}
+    assert compiled == {(1, 16), (1, 64), (2, 16), (4, 16)}
+    ran, shape = [], eng._prefill_shape
+    monkeypatch.setattr(eng, "_prefill_shape", lambda *a: ran.append(shape(*a)) or ran[-1])
+    out = run(eng, prompts[:3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    out += run(eng, prompts[3:], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [t for t, _ in out] == ref
+    assert (4, 16) in ran and (1, 64) in ran and all(r * c <= 64 for r, c in ran), ran
+    with pytest.raises(EngineConfigError, match="whole prefill_chunk"):
+        Engine(models["dense"], num_slots=1, max_context=96, prefill_chunk=64, max_prefill_tokens=32)
+    with pytest.raises(EngineConfigError, match=r"max_prefill_batch must be in \[1, 4\]"):
+        Engine(models["dense"], num_slots=8, max_context=96, prefill_chunk=64, max_prefill_tokens=64,
+               max_prefill_batch=8)
+    default = Engine(models["dense"], num_slots=1, max_context=96)  # the CPU's defaults
+    assert (default.prefill_chunk, default.max_prefill_tokens) == (256, 2048)
+    from jaxmtp.serve import _config_from_args, build_parser
+
+    cfg = _config_from_args(build_parser().parse_args(["--prefill-chunk", "64", "--max-prefill-tokens", "128"]))
+    assert (cfg.prefill_chunk, cfg.max_prefill_tokens) == (64, 128)
+    assert _config_from_args(build_parser().parse_args([])).prefill_chunk is None  # the engine's default
+
+
 def test_warmup_falls_back_to_one_compile_at_a_time(models, reference, monkeypatch):
     """A compile that fails in warm-up's thread pool (as concurrent autotuning out of device memory would) leaves a
     warning, and the calls compile what is left: the engine still gives the plain greedy tokens."""
