@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU)")
     g.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="most tokens (rows x chunk) in one prefill call: several prompts prefilled together take "
-                        "shorter chunks (default 2048, or one whole --prefill-chunk if larger)")
+                        "shorter chunks; below the default chunk it lowers that chunk (default 2048, or one whole "
+                        "--prefill-chunk if larger)")
     g.add_argument("--steps-per-sync", type=int, default=8, help="speculative steps per device loop")
     g.add_argument("--max-prefill-batch", type=int, default=None,
                    help="prompts prefilled together (per data-parallel replica)")

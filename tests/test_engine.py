@@ -181,6 +181,8 @@ def test_a_prefill_token_budget_caps_rows_times_chunk_and_keeps_the_tokens(model
                max_prefill_batch=8)
     default = Engine(models["dense"], num_slots=1, max_context=96)  # the CPU's defaults
     assert (default.prefill_chunk, default.max_prefill_tokens) == (256, 2048)
+    small = Engine(models["dense"], num_slots=1, max_context=96, max_prefill_tokens=200)  # takes the chunk down
+    assert (small.prefill_chunk, small.max_prefill_tokens) == (128, 200)
     from jaxmtp.serve import _config_from_args, build_parser
 
     cfg = _config_from_args(build_parser().parse_args(["--prefill-chunk", "64", "--max-prefill-tokens", "128"]))

@@ -175,7 +175,8 @@ class Engine:
         max_prefill_batch: prompts prefilled together in one call (under data parallelism: per replica); default
             min(num_slots, 8, max_prefill_tokens // 16).
         max_prefill_tokens: most tokens (rows x chunk, per replica) in one prefill call, >= ``prefill_chunk``; a call
-            of several rows takes a shorter chunk to stay within it (SGLang's ``--max-prefill-tokens``); None:
+            of several rows takes a shorter chunk to stay within it (SGLang's ``--max-prefill-tokens``); a budget
+            below the default chunk lowers that default to it; None:
             :func:`jaxmtp.engine.policy.default_max_prefill_tokens` (2048, or one whole chunk if larger).
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
             slot, each prefix compiled once (``warmup`` compiles them all); under data parallelism the same prefix
@@ -213,6 +214,8 @@ class Engine:
         if prefill_chunk is None:
             devices = model.layout.mesh.devices.flat if model.layout is not None else jax.devices()
             prefill_chunk = default_prefill_chunk(next(iter(devices)).platform)
+            if max_prefill_tokens:  # a budget below the default chunk takes the chunk down with it
+                prefill_chunk = max(16, min(prefill_chunk, 1 << (max_prefill_tokens.bit_length() - 1)))
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(prefill_chunk)
