@@ -49,7 +49,8 @@ def main(argv=None) -> int:
                  "persistent_per_slot": eng.plan.persistent_per_slot, "plan_table": eng.plan.table(), "temp": {}}
         for shape in args.shapes.split(","):
             rows, chunk = map(int, shape.split("x"))
-            compiled = eng._prefill.lower(model.params, eng.state, *prefill_args(rows, chunk, eng.num_slots)()).compile()
+            args = prefill_args(rows, chunk, eng.num_slots)()
+            compiled = eng._prefill.lower(model.params, eng.state, *args).compile()
             entry["temp"][shape] = temp_bytes(compiled)
             print(f"{name} prefill {shape}: {entry['temp'][shape] / 2**20:.1f} MiB of temporaries", flush=True)
         print(f"{name}: the plan after a background warm-up takes {eng.plan.prefill_activations / 2**20:.1f} MiB",

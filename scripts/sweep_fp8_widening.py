@@ -150,7 +150,8 @@ def product(x, w, s, *, path, how, bn, bk=1024, bm=16, splits=4, warps=4, stages
         pre = 2.0**60 if how.startswith("f32") else FACTOR[how]
         kern = functools.partial(fma_kernel, bn=bn, bk=bk, steps=k // bk, how=how, pre=pre)
         return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(n // bn, 1),
-                              in_specs=[whole(x), whole(u), whole(s)], out_specs=pl.BlockSpec((m, n), lambda *g: (0, 0)),
+                              in_specs=[whole(x), whole(u), whole(s)],
+                              out_specs=pl.BlockSpec((m, n), lambda *g: (0, 0)),
                               compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages),
                               interpret=INTERP)(x, u, s)
     steps = k // B // splits
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
             for h, xs in (("cvt", 1.0), ("bf16asm", 2.0**64), ("bf16asm", 1.0), ("f16asm", 1.0))
             for bn, sp, st in ((64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 4))]
     if INTERP:  # CPU smoke run: a small shape, the kernels interpreted (the PTX variants as their jnp twins)
-        shapes, cases, fma, dots = {"small": (1024, 256)}, [(1, "small"), (4, "small"), (20, "small")], fma[::3], dots[::4]
+        shapes, cases = {"small": (1024, 256)}, [(1, "small"), (4, "small"), (20, "small")]
+        fma, dots = fma[::3], dots[::4]
     res = {**run_metadata(), "copy_bytes_per_s": 1.0 if INTERP else hbm_bandwidth(), "cases": []}
     bw = res["copy_bytes_per_s"]
     key = jax.random.key(0)

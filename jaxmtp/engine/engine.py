@@ -31,6 +31,7 @@ from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_max_prefill_tokens, default_num_draft_tokens, default_prefill_chunk
+from jaxmtp.pallas.backend import platform
 from jaxmtp.param_layout import weight_bytes
 from jaxmtp.parallel import DP, data_parallel_prefill, device_bytes, state_specs
 from jaxmtp.engine.text import IncrementalDetokenizer, StopMatcher, check_stop_strings
@@ -212,8 +213,7 @@ class Engine:
                 f"got {max_context}"
             )
         if prefill_chunk is None:
-            devices = model.layout.mesh.devices.flat if model.layout is not None else jax.devices()
-            prefill_chunk = default_prefill_chunk(next(iter(devices)).platform)
+            prefill_chunk = default_prefill_chunk(platform())
             if max_prefill_tokens:  # a budget below the default chunk takes the chunk down with it
                 prefill_chunk = max(16, min(prefill_chunk, 1 << (max_prefill_tokens.bit_length() - 1)))
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -1096,7 +1096,8 @@ class Engine:
         # published) are not in a first request's path: compiled after SERVING
         later = []
         if background:
-            later = [c for c in bookkeeping if c[0] in (self._move, self._copy_carries, getattr(self, "_restore", None))]
+            later_fns = (self._move, self._copy_carries, getattr(self, "_restore", None))
+            later = [c for c in bookkeeping if c[0] in later_fns]
             bookkeeping = [c for c in bookkeeping if c not in later]
         errors = _warmup.compile_all(todo, self.model.params, self.state, threads=workers, progress=progress,
                                      extra=[(fn, args()) for fn, args, _ in bookkeeping])
@@ -1152,7 +1153,7 @@ class Engine:
         def estimate(rows, chunk):
             return int((rows > 1) * rows * self.plan.persistent_per_slot + rows * chunk * per_token)
 
-        need = max(temps.get(key, estimate(key[1], key[2])) for key in shapes)
+        need = max(temps[key] if key in temps else estimate(key[1], key[2]) for key in shapes)
         self.plan = dataclasses.replace(self.plan, prefill_activations=need)
         if self.check_memory:
             try:

@@ -9,13 +9,13 @@ recompute; one that departs exactly at token P resumes at the boundary before (t
 again, against vLLM's recompute of a block on every hit under MTP).
 
 A snapshot is only taken of a final state. In a prompt: the end of a chunk that is not the prompt's last (prefill
-ends a chunk at each boundary the prompt publishes, whatever ``prefill_chunk``), at the prompt's last boundary and at the point where it
-departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary: a snapshot weighs
-as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a copy to every
-chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a slot, whose steps
-commit exactly the tokens they emit (a tail snapshot, off the grid: a request that ended, or one still decoding that
-crossed a multiple of G). Never inside a verify window, never from a rejected draft, never from a request's partial
-work (an abort keeps what it published, which is exact).
+ends a chunk at each boundary the prompt publishes, whatever ``prefill_chunk``), at the prompt's last boundary and at
+the point where it departs from a prefix published before (:meth:`PrefixIndex.branch_point`), not at every boundary:
+a snapshot weighs as much as 1.4k-5.9k tokens of KV (a 4B snapshot is 49 MiB), so one per G tokens would add such a
+copy to every chunk of every prompt and fill the pool with states no prompt resumes from. After a device loop: a
+slot, whose steps commit exactly the tokens they emit (a tail snapshot, off the grid: a request that ended, or one
+still decoding that crossed a multiple of G). Never inside a verify window, never from a rejected draft, never from a
+request's partial work (an abort keeps what it published, which is exact).
 
 Host side (:class:`PrefixIndex`): blocks of G tokens keyed by a chained hash of the ids (SHA-256 of the previous
 block's key and this block's ids), snapshots keyed by (block key at P, token P), both in fixed pools with LRU
