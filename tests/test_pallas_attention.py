@@ -54,6 +54,19 @@ def check(o, o_ref, pos, tol):
     assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
+def test_reference_matches_float64_with_one_query_row_per_kv_head(rng):
+    """The jnp reference's decode window with as many query heads as kv heads (computed with each head twice, so that
+    its products stay matrix products) against float64 attention, per row over positions 0..p only."""
+    q, kc, vc, pos = make_inputs(rng, 3, 1, 2, 2, 16, 40, jnp.float32, [0, 23, 39])
+    o = np.asarray(attention_reference(q, kc, vc, pos), np.float64)
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, kc, vc))
+    for row, p in enumerate(np.asarray(pos)[:, 0]):
+        for h in range(2):
+            sc = k64[row, h, : p + 1] @ q64[row, 0, h] / 4.0
+            w = np.exp(sc - sc.max())
+            np.testing.assert_allclose(o[row, 0, h], w @ v64[row, h, : p + 1] / w.sum(), rtol=1e-5, atol=1e-6)
+
+
 CASES = [
     # (t, hq, hkv, s, dtype, starts): decode, verify and a prefill-sized window
     (1, 4, 4, 88, jnp.float32, [0, 61, 87]),

@@ -1,12 +1,11 @@
 """Tensor and expert parallelism on a mesh of CPU devices (conftest forces 8), against one device.
 
 Every TP degree must emit the tokens of the unsharded model (greedy and seeded sampling, k = 0..3), with logits,
-drafts, committed GDN states, conv rings and KV caches equal to float32 rounding. Bit equality across TP degrees
-is not a property XLA's CPU backend offers: it compiles ``rsqrt``, ``log`` and row reductions differently for
-different array shapes (a rank holds 1/tp of the heads), so a per-head norm differs in the last bit; the exact
-reduction mode's own part, the fixed-order sum over ranks, is checked bit for bit. The models are wide enough to
-split 8 ways (8 query heads over 2 KV heads, so TP 4 and 8 replicate KV heads; 8 GDN key heads; 8 experts) and have
-a vocabulary the head splits over.
+drafts, committed GDN states, conv rings and KV caches equal to float32 rounding. In the fixed reduction mode, with
+XLA's CPU codegen made independent of array shapes (:data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`, in
+a subprocess: tests/bitwise_worker.py), every layout equals TP 1 bit for bit. The models are wide enough to split 8
+ways (8 query heads over 2 KV heads, so TP 4 and 8 replicate KV heads; 8 GDN key heads; 8 experts) and have a
+vocabulary the head splits over.
 """
 
 from __future__ import annotations
@@ -188,6 +187,31 @@ def test_fixed_reduction_gives_the_same_bits_at_every_tp_degree(tp, rng):
     one = run(1)
     np.testing.assert_array_equal(run(tp), one)
     np.testing.assert_allclose(one, a.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,k", [("dense", 2), pytest.param("dense", 0, marks=pytest.mark.slow),
+                                    pytest.param("moe", 4, marks=pytest.mark.slow),
+                                    pytest.param("moe", 1, marks=pytest.mark.slow),
+                                    pytest.param("next", 3, marks=pytest.mark.slow),
+                                    pytest.param("next", 0, marks=pytest.mark.slow)])
+def test_fixed_mode_equals_one_device_bit_for_bit(wide, kind, k, rng):
+    """The fixed reduction mode at TP 2, 4, 8 and DP 2 x TP 2 against TP 1, float32, on a CPU whose codegen does not
+    depend on shapes: emitted tokens and log-probabilities (greedy, seeded, top-k / top-p, penalties), the drafts
+    each request held after every step, committed GDN states, conv rings, target and MTP KV caches (KV heads
+    replicated at TP 4 and 8), and full forwards' logits and drafts are all bit-identical. The XLA flags must be set
+    before the backend starts, hence the subprocess."""
+    import json
+    import subprocess
+    import sys
+
+    path = wide(kind)
+    layouts = "1x2,1x4,1x8,2x2"
+    worker = os.path.join(os.path.dirname(__file__), "bitwise_worker.py")
+    env = {key: v for key, v in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, worker, path, str(k), layouts, json.dumps(_prompts(rng, 4, 128))],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {layout: [] for layout in layouts.split(",")}
 
 
 def test_kv_heads_are_replicated_past_their_count_and_planned_per_device(wide):

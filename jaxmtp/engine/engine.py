@@ -151,9 +151,9 @@ def _token_logprobs(lps, at: tuple, ids: list[int], n: int) -> list[TokenLogprob
                                            if a >= 0]) for i, t in enumerate(ids)]
 
 
-def _slot_buckets(num_slots: int) -> list[int]:
-    """1, 2, 4, ... below ``num_slots``, then ``num_slots``."""
-    out, b = [], 1
+def _slot_buckets(num_slots: int, smallest: int = 1) -> list[int]:
+    """``smallest``, twice that, ... below ``num_slots``, then ``num_slots``."""
+    out, b = [], smallest
     while b < num_slots:
         out.append(b)
         b *= 2
@@ -181,7 +181,8 @@ class Engine:
             :func:`jaxmtp.engine.policy.default_max_prefill_tokens` (2048, or one whole chunk if larger).
         slot_buckets: run each step over the smallest prefix of slots (1, 2, 4, ... num_slots) that holds every busy
             slot, each prefix compiled once (``warmup`` compiles them all); under data parallelism the same prefix
-            of every replica's slots; False: always all slots.
+            of every replica's slots; False: always all slots. In the fixed reduction mode the smallest prefix, and
+            the fewest rows of a prefill call, is 2 (see ``_fewest_rows``).
         oracle_probs: for tests and benchmarks only: enables :class:`jaxmtp.engine.steps.Oracle` drafts with this
             distribution over the corrupted draft index (length k+1); requests then pass ``oracle_continuation``.
         prefix_cache_memory: bytes of device memory for the prefix cache (:mod:`jaxmtp.engine.prefix_cache`), half
@@ -302,7 +303,11 @@ class Engine:
         self._prefill_lp = prefill_fn("prefill+prompt_logprobs", True)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
         # power-of-two prefix that holds every active slot, so a lone request does not pay for the whole batch.
-        self.slot_buckets = _slot_buckets(per_replica) if slot_buckets else [per_replica]
+        # The fixed reduction mode keeps every layout bit-identical to one device (docs/engine.md, "Reduction
+        # modes"); XLA's CPU backend sums a one-row product in another order than the same row among several, so
+        # no step or prefill call there runs one row where another layout (a DP replica's share) would run more.
+        self._fewest_rows = 2 if layout is not None and layout.collectives.fixed else 1
+        self.slot_buckets = _slot_buckets(per_replica, self._fewest_rows) if slot_buckets else [per_replica]
         self._move = slot_jit(counted("move", steps.move_slots))
         self._copy_carries = slot_jit(counted("copy_carries", steps.copy_carries))
 
@@ -971,7 +976,7 @@ class Engine:
         """(rows, chunk) of the prefill call for ``n_rows`` prompts whose longest remaining part (capped at the
         chunk) is ``n_tokens``: the buckets; while a background warm-up runs, the compiled shape with the fewest
         padded tokens among those with enough rows (a shorter chunk splits the prompts, a longer one pads)."""
-        rows = self._bucket(n_rows, 1, self.max_prefill_batch)
+        rows = self._bucket(n_rows, min(self._fewest_rows, self.max_prefill_batch), self.max_prefill_batch)
         chunk = self._chunk_bucket(n_tokens, rows)
         if not self._lazy or _warmup.prefill_key(rows, chunk) in self._ready:
             return rows, chunk

@@ -13,10 +13,10 @@ end a block reduce without any layer knowing about ranks. ``reduce="psum"`` (the
 in float32; ``reduce="fixed"`` fixes the order: each row-parallel product is computed as ``chunks`` fixed slices of
 its K axis whose float32 partial products are summed in one balanced tree of the same shape at every TP degree (the
 slices a rank owns are a subtree; the ranks' subtree sums are gathered and the tree finished in rank order), so the
-reduction gives the same bits at TP 1, 2, 4, 8 and across processes, where a psum does not. (Whole outputs are
-bit-identical across TP degrees only where each rank's per-head ops compile to the same arithmetic as one device's,
-which XLA's CPU backend does not guarantee: docs/engine.md, "Parallelism".) MoE experts are whole on one rank, so
-their reduction is exact in either mode (one rank's value plus zeros).
+reduction gives the same bits at TP 1, 2, 4, 8 and across processes, where a psum does not. Whole outputs (logits,
+drafts, carries, tokens) are then bit-identical across TP degrees where each rank's per-head ops compile to the
+arithmetic of one device's, which holds N times the heads: on the CPU, under :data:`SHAPE_STABLE_CPU_XLA_FLAGS`.
+MoE experts are whole on one rank, so their reduction is exact in either mode (one rank's value plus zeros).
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ import jax
 import jax.numpy as jnp
 
 REDUCE_MODES = ("psum", "fixed")
+
+#: XLA flags under which the CPU backend compiles an op to the same arithmetic whatever the sizes of its other axes,
+#: so that a rank's share of the heads gets one device's bits. By default it does not (measured with jax 0.10.2):
+#: YNNPACK's dot fusions choose their kernel by shape (a product's columns split 8 ways differ from the whole), and
+#: the vectoriser sums a row reduction's elements in an order that depends on how many rows the fusion holds (the
+#: square sum over one head differs from the same head's among 8). The first flag leaves dots to XLA's own emitter,
+#: the second keeps codegen to scalar lanes. A one-row (matrix-vector) product still sums in another order than
+#: the same row among several; docs/engine.md ("Reduction modes") has the two rules that keep such products from
+#: changing with the layout. Used by the fixed mode's bit-equality test (tests/bitwise_worker.py); it slows CPU
+#: code, so nothing sets it by default.
+SHAPE_STABLE_CPU_XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_prefer_vector_width=32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,5 +134,5 @@ def gather_vocab(logits: jax.Array, tp: TensorParallel) -> jax.Array:
     return jax.lax.all_gather(logits, tp.axis, axis=logits.ndim - 1, tiled=True)
 
 
-__all__ = ["REDUCE_MODES", "SINGLE", "TensorParallel", "exact_sum", "fixed_product", "gather_vocab", "rank",
+__all__ = ["REDUCE_MODES", "SHAPE_STABLE_CPU_XLA_FLAGS", "SINGLE", "TensorParallel", "exact_sum", "fixed_product", "gather_vocab", "rank",
            "reduce_sum", "vocab_argmax"]

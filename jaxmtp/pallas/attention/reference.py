@@ -28,6 +28,10 @@ def attention_reference(q, k_cache, v_cache, q_positions, *, scale=None):
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     scale = d**-0.5 if scale is None else scale
+    if t * g == 1:  # one query row per kv head makes both products matrix-vector ones, which XLA's CPU backend sums
+        # in another order than the matrix products of several rows: each head twice keeps a tensor-parallel rank
+        # holding one query head per kv head bit-identical to one device (the fixed reduction mode, docs/engine.md)
+        return attention_reference(jnp.repeat(q, 2, axis=2), k_cache, v_cache, q_positions, scale=scale)[:, :, ::2]
     qg = q.reshape(b, t, hkv, g, d)
     scores = einsum_f32("btkgd,bksd->bkgts", qg, k_cache) * scale
     visible = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]  # [B, T, S]

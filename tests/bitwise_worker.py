@@ -1,0 +1,95 @@
+"""The fixed reduction mode against one device, bit for bit (tests/test_parallel.py runs this in a subprocess).
+
+XLA's CPU backend is started here with :data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`, under which an op's bits
+do not depend on how many heads a rank holds, so every layout must reproduce TP 1's bits exactly. Prints a JSON
+object: for each layout ("DPxTP"), the list of what differed from TP 1 (empty when bit-identical).
+
+    python tests/bitwise_worker.py CHECKPOINT K LAYOUTS PROMPTS_JSON     (LAYOUTS: e.g. 1x2,1x4,1x8,2x2)
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jaxmtp.pallas.collectives import SHAPE_STABLE_CPU_XLA_FLAGS  # noqa: E402  (starts no backend)
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + SHAPE_STABLE_CPU_XLA_FLAGS
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_parallel import _one_device_carry, _params  # noqa: E402
+
+import jaxmtp  # noqa: E402
+from jaxmtp.engine import Engine  # noqa: E402
+
+
+def run(model, prompts, k):
+    """Every prompt through one engine, one device step per host read. Returns the tokens and log-probabilities of
+    each request, the drafts it held after each step while active (keyed by its emitted count), and the state."""
+    eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=1, prefill_chunk=16)
+    ids = [eng.add_request(p, prm) for p, prm in zip(prompts, _params(len(prompts)))]
+    reqs = [eng._by_id[i] for i in ids]
+    tokens = {i: [] for i in ids}
+    logprobs = {i: [] for i in ids}
+    drafts = {i: {} for i in ids}
+    while eng.has_work():
+        for o in eng.step():
+            tokens[o.request_id] += o.token_ids
+            logprobs[o.request_id] += [(lp.token_id, lp.logprob, list(lp.top)) for lp in o.logprobs or []]
+        if k:  # the drafts a slot still decoding will verify next (a finished slot's are never read)
+            held, active = (np.asarray(a) for a in jax.device_get((eng.state.drafts, eng.state.active)))
+            for i, r in zip(ids, reqs):
+                if r.slot >= 0 and active[r.slot] and tokens[i]:
+                    drafts[i][len(tokens[i])] = held[r.slot, :k].tolist()
+    host = jax.device_get(eng.state)
+    order = np.asarray([r.slot for r in reqs] + [s for s in range(4) if s not in {r.slot for r in reqs}])
+    host = jax.tree.map(lambda a: a[order] if a.ndim and a.shape[0] == 4 else a, host)
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids], [drafts[i] for i in ids], host
+
+
+def differences(got, want, model):
+    (tok, lps, drafts, state), (tok1, lps1, drafts1, ref) = got, want
+    bad = [what for what, a, b in (("tokens", tok, tok1), ("logprobs", lps, lps1), ("drafts", drafts, drafts1))
+           if a != b]
+    for name in ("carry", "mtp_carry"):
+        ours = _one_device_carry(getattr(state, name), model.config, model.layout.tp)
+        theirs = [(c.conv, c.state) if hasattr(c, "conv") else (c.k, c.v) for c in getattr(ref, name)]
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            bad += [f"{name}[{i}][{j}] by {float(np.abs(x - y).max()):.3g}" for j, (x, y) in enumerate(zip(a, b))
+                    if not np.array_equal(x, y)]
+    if not np.array_equal(state.length, ref.length):
+        bad.append("length")
+    return bad
+
+
+def forwards(model, ids):
+    """Target logits, drafts from the int8 draft head and from the exact head, over one window."""
+    return [np.asarray(x) for x in (model.logits(ids), model.draft_logits(ids),
+                                    model.draft_logits(ids, exact_head=True))]
+
+
+def main():
+    path, k, layouts, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), json.loads(sys.argv[4])
+    load = lambda dp, tp: jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp,  # noqa: E731
+                                      data_parallel_size=dp, tensor_parallel_reduce="fixed")
+    one = load(1, 1)
+    window = np.asarray([p[:8] for p in prompts[:2]])
+    want, want_fwd = run(one, prompts, k), forwards(one, window)
+    assert all(want[2]) or not k, "a request held no drafts while active"
+    out = {}
+    for layout in layouts:
+        dp, tp = map(int, layout.split("x"))
+        model = load(dp, tp)
+        bad = differences(run(model, prompts, k), want, model)
+        bad += [what for what, a, b in zip(("logits", "drafts", "exact drafts"), forwards(model, window), want_fwd)
+                if not np.array_equal(a, b)]
+        out[layout] = bad
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
