@@ -175,6 +175,23 @@ def median_time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+def chained_product_seconds(fn, x, operands: list[tuple], calls: int, reps: int):
+    """(Seconds per call, the jitted loop) of ``calls`` products ``fn(y, *operands[i % len(operands)])`` chained in
+    one jitted loop (each input waits on the previous output through an optimisation barrier, so they run one after
+    another; rotating the operands over copies larger than L2 streams them from HBM): the loop's median wall time
+    over ``reps`` runs, divided by ``calls``."""
+    def loop(x, operands):
+        y = x
+        for i in range(calls):
+            out = fn(y, *operands[i % len(operands)])
+            y = x + jax.lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
+        return out
+
+    f = jax.jit(loop)
+    jax.block_until_ready(f(x, operands))
+    return median_time(lambda: f(x, operands), reps) / calls, f
+
+
 def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[float]]:
     """Step times (ms) of each engine, timed in alternation so that drift within the process (clocks, other tenants)
     moves every engine alike: ``rounds`` rounds, each timing every engine's ``syncs`` device loops (their median per

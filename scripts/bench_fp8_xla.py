@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -25,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxmtp.benchmarking import hbm_bandwidth, run_metadata, write_json  # noqa: E402
+from jaxmtp.benchmarking import chained_product_seconds, hbm_bandwidth, run_metadata, write_json  # noqa: E402
 from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton  # noqa: E402
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE  # noqa: E402
 
@@ -60,25 +59,6 @@ VARIANTS = {"kernel": fp8_matmul_triton, "xla_scaled": xla_scaled, "xla_scaled_b
             "xla_widened_only": xla_widened}
 
 
-def time_product(fn, x, ws, calls: int, reps: int):
-    """(seconds per product, the jitted loop) of ``calls`` chained products over the rotating weights ``ws``."""
-    def loop(x, ws):
-        y = x
-        for i in range(calls):
-            out = fn(y, *ws[i % len(ws)])
-            y = x + jax.lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
-        return out
-
-    f = jax.jit(loop)
-    jax.block_until_ready(f(x, ws))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, ws))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / calls, f
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4")
@@ -98,7 +78,7 @@ def main(argv=None) -> int:
             x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
             ref = np.asarray(fp8_matmul_triton(x, *ws[0]), np.float32)
             for variant, fn in VARIANTS.items():
-                sec, f = time_product(fn, x, ws, args.calls, args.reps)
+                sec, f = chained_product_seconds(fn, x, ws, args.calls, args.reps)
                 y = np.asarray(fn(x, *ws[0]), np.float32)
                 row = dict(rows=m, shape=name, variant=variant, us=sec * 1e6, pct=100 * n * k / sec / bw,
                            triton_fusion="triton" in f.lower(x, ws).compile().as_text().lower(),
@@ -108,7 +88,7 @@ def main(argv=None) -> int:
             del ws
             wb = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16)
                   for i in range(max(2, (256 << 20) // (2 * n * k) + 1))]
-            sec, _ = time_product(lambda x, w: xla_bf16(x, w, None), x, [(w,) for w in wb], args.calls, args.reps)
+            sec, _ = chained_product_seconds(lambda x, w: xla_bf16(x, w, None), x, [(w,) for w in wb], args.calls, args.reps)
             row = dict(rows=m, shape=name, variant="xla_bf16_weight", us=sec * 1e6, pct=100 * 2 * n * k / sec / bw)
             print(row, flush=True)
             out["rows"].append(row)

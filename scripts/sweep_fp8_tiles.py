@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from jaxmtp.benchmarking import hbm_bandwidth, run_metadata, write_json  # noqa: E402
+from jaxmtp.benchmarking import chained_product_seconds, hbm_bandwidth, run_metadata, write_json  # noqa: E402
 from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton, plan  # noqa: E402
 from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
 
@@ -46,21 +45,7 @@ def dot_tiles(m: int):
 
 def time_product(x, ws, tiles: dict, calls: int, reps: int) -> float:
     """Seconds per product of ``calls`` chained products over the rotating weights ``ws``."""
-    def loop(x, ws):
-        y = x
-        for i in range(calls):
-            out = fp8_matmul_triton(y, *ws[i % len(ws)], **tiles)
-            y = x + jax.lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
-        return out
-
-    f = jax.jit(loop)
-    jax.block_until_ready(f(x, ws))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, ws))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / calls
+    return chained_product_seconds(lambda y, w, s: fp8_matmul_triton(y, w, s, **tiles), x, ws, calls, reps)[0]
 
 
 def main(argv=None) -> int:

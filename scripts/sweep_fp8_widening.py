@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jaxmtp.benchmarking import hbm_bandwidth, run_metadata  # noqa: E402
+from jaxmtp.benchmarking import chained_product_seconds, hbm_bandwidth, run_metadata  # noqa: E402
 from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton  # noqa: E402
 from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
 
@@ -171,18 +171,7 @@ def reference(x, w, s):
 
 
 def time_fn(f, x, ws, calls, reps):
-    def loop(x, ws):
-        y = x
-        for i in range(calls):
-            out = f(y, *ws[i % len(ws)])
-            y = x + lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
-        return out
-    g = jax.jit(loop)
-    jax.block_until_ready(g(x, ws))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter(); jax.block_until_ready(g(x, ws)); ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / calls
+    return chained_product_seconds(f, x, ws, calls, reps)[0]
 
 
 def main(argv=None) -> int:
