@@ -88,7 +88,8 @@ def main(argv=None) -> int:
             del ws
             wb = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16)
                   for i in range(max(2, (256 << 20) // (2 * n * k) + 1))]
-            sec, _ = chained_product_seconds(lambda x, w: xla_bf16(x, w, None), x, [(w,) for w in wb], args.calls, args.reps)
+            sec, _ = chained_product_seconds(lambda x, w: xla_bf16(x, w, None), x, [(w,) for w in wb], args.calls,
+                                             args.reps)
             row = dict(rows=m, shape=name, variant="xla_bf16_weight", us=sec * 1e6, pct=100 * 2 * n * k / sec / bw)
             print(row, flush=True)
             out["rows"].append(row)

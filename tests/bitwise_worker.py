@@ -1,8 +1,8 @@
 """The fixed reduction mode against one device, bit for bit (tests/test_parallel.py runs this in a subprocess).
 
-XLA's CPU backend is started here with :data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`, under which an op's bits
-do not depend on how many heads a rank holds, so every layout must reproduce TP 1's bits exactly. Prints a JSON
-object: for each layout ("DPxTP"), the list of what differed from TP 1 (empty when bit-identical).
+XLA's CPU backend is started here with :data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`, under which an
+op's bits do not depend on how many heads a rank holds, so every layout must reproduce TP 1's bits exactly. Prints a
+JSON object: for each layout ("DPxTP"), the list of what differed from TP 1 (empty when bit-identical).
 
     python tests/bitwise_worker.py CHECKPOINT K LAYOUTS PROMPTS_JSON     (LAYOUTS: e.g. 1x2,1x4,1x8,2x2)
 """

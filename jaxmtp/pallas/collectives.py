@@ -134,5 +134,5 @@ def gather_vocab(logits: jax.Array, tp: TensorParallel) -> jax.Array:
     return jax.lax.all_gather(logits, tp.axis, axis=logits.ndim - 1, tiled=True)
 
 
-__all__ = ["REDUCE_MODES", "SHAPE_STABLE_CPU_XLA_FLAGS", "SINGLE", "TensorParallel", "exact_sum", "fixed_product", "gather_vocab", "rank",
-           "reduce_sum", "vocab_argmax"]
+__all__ = ["REDUCE_MODES", "SHAPE_STABLE_CPU_XLA_FLAGS", "SINGLE", "TensorParallel", "exact_sum", "fixed_product",
+           "gather_vocab", "rank", "reduce_sum", "vocab_argmax"]
