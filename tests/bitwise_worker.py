@@ -1,10 +1,15 @@
-"""The fixed reduction mode against one device, bit for bit (tests/test_parallel.py runs this in a subprocess).
+"""Bit equality on a CPU whose codegen does not depend on shapes (tests/test_parallel.py and tests/test_fp8.py run
+this in a subprocess).
 
 XLA's CPU backend is started here with :data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`, under which an
-op's bits do not depend on how many heads a rank holds, so every layout must reproduce TP 1's bits exactly. Prints a
-JSON object: for each layout ("DPxTP"), the list of what differed from TP 1 (empty when bit-identical).
+op's bits do not depend on the sizes of its other axes (how many heads a rank holds, how many projections a fused
+product holds), so two computations of the same numbers must give the same bits. Prints a JSON object: for each
+comparison, the list of what differed (empty when bit-identical).
 
-    python tests/bitwise_worker.py CHECKPOINT K LAYOUTS PROMPTS_JSON     (LAYOUTS: e.g. 1x2,1x4,1x8,2x2)
+    python tests/bitwise_worker.py layouts CHECKPOINT K LAYOUTS PROMPTS_JSON   (LAYOUTS: e.g. 1x2,1x4,1x8,2x2)
+        the fixed reduction mode at each layout ("DPxTP") against TP 1
+    python tests/bitwise_worker.py twin FP8_CHECKPOINT TWIN_CHECKPOINT IDS_JSON
+        a block-FP8 model against its dequantised twin (logits and drafts, float32)
 """
 
 import json
@@ -14,7 +19,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jaxmtp.pallas.collectives import SHAPE_STABLE_CPU_XLA_FLAGS  # noqa: E402  (starts no backend)
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + SHAPE_STABLE_CPU_XLA_FLAGS
+# 8 devices for the layouts; the twins on one (with 4 or more forced devices XLA's CPU products of these widths
+# differ between a fused and an unfused weight even under the flags: measured, cause not identified)
+DEVICES = 8 if sys.argv[1] == "layouts" else 1
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {SHAPE_STABLE_CPU_XLA_FLAGS}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -72,8 +80,7 @@ def forwards(model, ids):
                                     model.draft_logits(ids, exact_head=True))]
 
 
-def main():
-    path, k, layouts, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), json.loads(sys.argv[4])
+def compare_layouts(path, k, layouts, prompts) -> dict:
     load = lambda dp, tp: jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp,  # noqa: E731
                                       data_parallel_size=dp, tensor_parallel_reduce="fixed")
     one = load(1, 1)
@@ -88,6 +95,21 @@ def main():
         bad += [what for what, a, b in zip(("logits", "drafts", "exact drafts"), forwards(model, window), want_fwd)
                 if not np.array_equal(a, b)]
         out[layout] = bad
+    return out
+
+
+def compare_twin(fp8_path, twin_path, ids) -> dict:
+    fp8, twin = (jaxmtp.load(p, dtype="float32", backend="xla", progress=False) for p in (fp8_path, twin_path))
+    ids = np.asarray(ids)
+    return {"fp8 vs twin": [what for what, a, b in zip(("logits", "drafts", "exact drafts"), forwards(fp8, ids),
+                                                         forwards(twin, ids)) if not np.array_equal(a, b)]}
+
+
+def main():
+    if sys.argv[1] == "layouts":
+        out = compare_layouts(sys.argv[2], int(sys.argv[3]), sys.argv[4].split(","), json.loads(sys.argv[5]))
+    else:
+        out = compare_twin(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
     print(json.dumps(out))
 
 

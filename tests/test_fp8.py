@@ -4,8 +4,8 @@ BF16 ``weight_scale_inv`` per 128 x 128 block, partial blocks, a module left flo
 with every FP8 weight dequantised by numpy and stored float32), float32 compute:
 
 * the loaded weights dequantise bit for bit to numpy's dequantisation, and the right modules are FP8;
-* logits and drafts equal the twin's (2e-5 relative: products of other shapes, see the test), and greedy speculative
-  decoding equals plain for k = 1..4;
+* logits and drafts equal the twin's (2e-5 relative: products of other shapes, see the test; bit for bit on a CPU
+  whose codegen does not depend on shapes), and greedy speculative decoding equals plain for k = 1..4;
 * every mismatch class and every other format is an error naming the tensor or the format;
 * on-the-fly quantisation of a floating checkpoint gives the official layout's bits;
 * the serving layout's fused runs split back into the native weights;
@@ -100,6 +100,23 @@ def test_logits_and_drafts_equal_the_dequantised_twin(which, dense_dirs, moe_dir
         # scale blocks, which this tiny model's widths (80, 48, 72) are not; float32 rounding of other shapes
         # measured up to 1.1e-5 on the MoE draw
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5, fn
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_fp8_model_equals_its_twin_bit_for_bit_on_a_shape_stable_cpu(which, dense_dirs, moe_dirs, rng):
+    """With XLA's CPU codegen independent of shapes (:data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`,
+    set in a subprocess before the backend starts), the products of other widths above give the same bits: logits
+    and drafts (int8 and exact head) of the FP8 model equal its dequantised twin's bit for bit."""
+    import subprocess
+
+    root, _ = dense_dirs if which == "dense" else moe_dirs
+    worker = os.path.join(os.path.dirname(__file__), "bitwise_worker.py")
+    env = {key: v for key, v in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    ids = rng.integers(0, 100, (2, 11)).tolist()
+    proc = subprocess.run([sys.executable, worker, "twin", str(root / "fp8"), str(root / "twin"), json.dumps(ids)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"fp8 vs twin": []}
 
 
 @pytest.mark.parametrize("ks", [(1, 3), pytest.param((2, 4), marks=pytest.mark.slow)])

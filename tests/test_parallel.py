@@ -208,8 +208,8 @@ def test_fixed_mode_equals_one_device_bit_for_bit(wide, kind, k, rng):
     layouts = "1x2,1x4,1x8,2x2"
     worker = os.path.join(os.path.dirname(__file__), "bitwise_worker.py")
     env = {key: v for key, v in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, worker, path, str(k), layouts, json.dumps(_prompts(rng, 4, 128))],
-                          capture_output=True, text=True, env=env, timeout=1200)
+    args = ["layouts", path, str(k), layouts, json.dumps(_prompts(rng, 4, 128))]
+    proc = subprocess.run([sys.executable, worker, *args], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {layout: [] for layout in layouts.split(",")}
 
