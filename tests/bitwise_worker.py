@@ -19,8 +19,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jaxmtp.pallas.collectives import SHAPE_STABLE_CPU_XLA_FLAGS  # noqa: E402  (starts no backend)
 
-# 8 devices for the layouts; the twins on one (with 4 or more forced devices XLA's CPU products of these widths
-# differ between a fused and an unfused weight even under the flags: measured, cause not identified)
+# 8 devices for the layouts; the twins on one: with 4 or more forced host devices, even under the flags, XLA's CPU
+# product of a [22, 160] by a [160, 1000] differs from its two 500-column halves, where on one device it does not
+# (measured; the products of the layouts' models, hidden 48, are below whatever changes)
 DEVICES = 8 if sys.argv[1] == "layouts" else 1
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {SHAPE_STABLE_CPU_XLA_FLAGS}"
 os.environ["JAX_PLATFORMS"] = "cpu"
