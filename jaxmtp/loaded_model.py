@@ -230,9 +230,10 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     per rank, the LM head over the vocabulary (:mod:`jaxmtp.parallel`; docs/engine.md). ``load_info`` then counts
     one device's bytes. ``data_parallel_size`` (vLLM's name): that many replicas of the TP group (devices
     ``[d tp, (d+1) tp)`` for replica d, or a mesh with the axes ``("dp", "tp")``), each holding the weights and an
-    equal share of an engine's slots. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a fixed order, so that
-    every TP degree gives the same bits as ``tensor_parallel_size=1`` in that mode (slower; for tests and
-    debugging); the default ``"psum"`` is the fast all-reduce.
+    equal share of an engine's slots. ``tensor_parallel_reduce="fixed"`` sums the ranks' partial products in a
+    fixed order, so that every layout gives the bits of ``tensor_parallel_size=1`` in that mode, on a CPU whose XLA
+    codegen does not depend on shapes (:data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`; slower; for
+    tests and debugging); the default ``"psum"`` is the fast all-reduce.
 
     A block-FP8 checkpoint (the official Qwen3.5 FP8 format, :mod:`jaxmtp.fp8`) loads as it is stored: its FP8
     projections stay FP8 on the device (half the bytes of bf16; the GPU kernels read them directly). ``quantization=

@@ -98,8 +98,8 @@ def test_logits_and_drafts_equal_the_dequantised_twin(which, dense_dirs, moe_dir
         # equal weights (test above), products of other shapes: the twin fuses in_proj_qkv|z|b|a and the shared
         # expert's gate|up into one product each, while FP8 weights fuse only where every part is whole 128-row
         # scale blocks, which this tiny model's widths (80, 48, 72) are not; float32 rounding of other shapes
-        # measured up to 1.1e-5 on the MoE draw
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5, fn
+        # measured up to 1.1e-5 on the MoE draw, 1.9e-6 on the dense one; bit for bit on a shape-stable CPU (below)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < (1e-5 if which == "dense" else 2e-5), fn
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
