@@ -107,16 +107,11 @@ def test_fp8_model_equals_its_twin_bit_for_bit_on_a_shape_stable_cpu(which, dens
     """With XLA's CPU codegen independent of shapes (:data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`,
     set in a subprocess before the backend starts), the products of other widths above give the same bits: logits
     and drafts (int8 and exact head) of the FP8 model equal its dequantised twin's bit for bit."""
-    import subprocess
+    from shape_stable import run_worker
 
     root, _ = dense_dirs if which == "dense" else moe_dirs
-    worker = os.path.join(os.path.dirname(__file__), "bitwise_worker.py")
-    env = {key: v for key, v in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     ids = rng.integers(0, 100, (2, 11)).tolist()
-    proc = subprocess.run([sys.executable, worker, "twin", str(root / "fp8"), str(root / "twin"), json.dumps(ids)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"fp8 vs twin": []}
+    assert run_worker("twin", str(root / "fp8"), str(root / "twin"), json.dumps(ids)) == {"fp8 vs twin": []}
 
 
 @pytest.mark.parametrize("ks", [(1, 3), pytest.param((2, 4), marks=pytest.mark.slow)])

@@ -201,17 +201,12 @@ def test_fixed_mode_equals_one_device_bit_for_bit(wide, kind, k, rng):
     replicated at TP 4 and 8), and full forwards' logits and drafts are all bit-identical. The XLA flags must be set
     before the backend starts, hence the subprocess."""
     import json
-    import subprocess
-    import sys
 
-    path = wide(kind)
+    from shape_stable import run_worker
+
     layouts = "1x2,1x4,1x8,2x2"
-    worker = os.path.join(os.path.dirname(__file__), "bitwise_worker.py")
-    env = {key: v for key, v in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    args = ["layouts", path, str(k), layouts, json.dumps(_prompts(rng, 4, 128))]
-    proc = subprocess.run([sys.executable, worker, *args], capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {layout: [] for layout in layouts.split(",")}
+    got = run_worker("layouts", wide(kind), str(k), layouts, json.dumps(_prompts(rng, 4, 128)))
+    assert got == {layout: [] for layout in layouts.split(",")}
 
 
 def test_kv_heads_are_replicated_past_their_count_and_planned_per_device(wide):
