@@ -175,21 +175,28 @@ def median_time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def chained_product_seconds(fn, x, operands: list[tuple], calls: int, reps: int):
-    """(Seconds per call, the jitted loop) of ``calls`` products ``fn(y, *operands[i % len(operands)])`` chained in
-    one jitted loop (each input waits on the previous output through an optimisation barrier, so they run one after
-    another; rotating the operands over copies larger than L2 streams them from HBM): the loop's median wall time
-    over ``reps`` runs, divided by ``calls``."""
-    def loop(x, operands):
-        y = x
-        for i in range(calls):
-            out = fn(y, *operands[i % len(operands)])
-            y = x + jax.lax.optimization_barrier(out[..., :1]).astype(x.dtype) * 0
+def chained_loop(fn, chain, calls: int):
+    """A jitted ``loop(sets)`` of ``calls`` calls of ``fn``: the first ``fn(*sets[0])``, call i
+    ``fn(*chain(sets[i % len(sets)], previous_output))`` with the output passed through an optimization barrier, so
+    that calls run one after another and cannot merge; returns the last output."""
+    @jax.jit
+    def loop(sets):
+        out = fn(*sets[0])
+        for i in range(1, calls):
+            out = fn(*chain(sets[i % len(sets)], jax.lax.optimization_barrier(out)))
         return out
 
-    f = jax.jit(loop)
-    jax.block_until_ready(f(x, operands))
-    return median_time(lambda: f(x, operands), reps) / calls, f
+    return loop
+
+
+def chained_product_seconds(fn, x, operands: list[tuple], calls: int, reps: int):
+    """Seconds per product of ``calls`` products ``fn(y, *operands[i % len(operands)])`` chained by
+    :func:`chained_loop`, y being ``x`` made to wait on the previous product (rotating the operands over copies
+    larger than L2 streams them from HBM): the loop's median wall time over ``reps`` runs, divided by ``calls``."""
+    loop = chained_loop(fn, lambda a, out: (a[0] + out[..., :1].astype(a[0].dtype) * 0, *a[1:]), calls)
+    sets = [(x, *ops) for ops in operands]
+    jax.block_until_ready(loop(sets))
+    return median_time(lambda: loop(sets), reps) / calls
 
 
 def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[float]]:
@@ -319,14 +326,7 @@ def device_kernels(fn, *args, chain, calls: int = 20, min_set_bytes: int = 256 <
     set_bytes = sum(a.size * a.dtype.itemsize for a in args if a is not None)
     n_sets = max(1, min(calls, -(-min_set_bytes // max(set_bytes, 1))))
     sets = [tuple(args)] + [tuple(None if a is None else jnp.copy(a) for a in args) for _ in range(n_sets - 1)]
-
-    @jax.jit
-    def loop(all_sets):
-        out = fn(*all_sets[0])
-        for i in range(1, calls):
-            out = fn(*chain(all_sets[i % len(all_sets)], jax.lax.optimization_barrier(out)))
-        return out
-
+    loop = chained_loop(fn, chain, calls)
     jax.block_until_ready(loop(sets))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)

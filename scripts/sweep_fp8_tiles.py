@@ -45,7 +45,7 @@ def dot_tiles(m: int):
 
 def time_product(x, ws, tiles: dict, calls: int, reps: int) -> float:
     """Seconds per product of ``calls`` chained products over the rotating weights ``ws``."""
-    return chained_product_seconds(lambda y, w, s: fp8_matmul_triton(y, w, s, **tiles), x, ws, calls, reps)[0]
+    return chained_product_seconds(lambda y, w, s: fp8_matmul_triton(y, w, s, **tiles), x, ws, calls, reps)
 
 
 def main(argv=None) -> int:

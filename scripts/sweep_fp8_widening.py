@@ -171,7 +171,7 @@ def reference(x, w, s):
 
 
 def time_fn(f, x, ws, calls, reps):
-    return chained_product_seconds(f, x, ws, calls, reps)[0]
+    return chained_product_seconds(f, x, ws, calls, reps)
 
 
 def main(argv=None) -> int:
