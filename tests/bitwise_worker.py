@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_parallel import _one_device_carry, _params  # noqa: E402
+from test_parallel import _one_device_carry, _params, _state_by_request  # noqa: E402
 
 import jaxmtp  # noqa: E402
 from jaxmtp.engine import Engine  # noqa: E402
@@ -54,10 +54,8 @@ def run(model, prompts, k):
             for i, r in zip(ids, reqs):
                 if r.slot >= 0 and active[r.slot] and tokens[i]:
                     drafts[i][len(tokens[i])] = held[r.slot, :k].tolist()
-    host = jax.device_get(eng.state)
-    order = np.asarray([r.slot for r in reqs] + [s for s in range(4) if s not in {r.slot for r in reqs}])
-    host = jax.tree.map(lambda a: a[order] if a.ndim and a.shape[0] == 4 else a, host)
-    return [tokens[i] for i in ids], [logprobs[i] for i in ids], [drafts[i] for i in ids], host
+    return ([tokens[i] for i in ids], [logprobs[i] for i in ids], [drafts[i] for i in ids],
+            _state_by_request(eng, reqs))
 
 
 def differences(got, want, model):
@@ -75,10 +73,18 @@ def differences(got, want, model):
     return bad
 
 
+FORWARDS = ("logits", "drafts", "exact drafts")
+
+
 def forwards(model, ids):
-    """Target logits, drafts from the int8 draft head and from the exact head, over one window."""
+    """:data:`FORWARDS` over one window: target logits, drafts from the int8 draft head and from the exact head."""
     return [np.asarray(x) for x in (model.logits(ids), model.draft_logits(ids),
                                     model.draft_logits(ids, exact_head=True))]
+
+
+def forward_differences(got, want) -> list[str]:
+    """The :data:`FORWARDS` whose bits differ between two :func:`forwards` results."""
+    return [what for what, a, b in zip(FORWARDS, got, want) if not np.array_equal(a, b)]
 
 
 def compare_layouts(path, k, layouts, prompts) -> dict:
@@ -93,17 +99,14 @@ def compare_layouts(path, k, layouts, prompts) -> dict:
         dp, tp = map(int, layout.split("x"))
         model = load(dp, tp)
         bad = differences(run(model, prompts, k), want, model)
-        bad += [what for what, a, b in zip(("logits", "drafts", "exact drafts"), forwards(model, window), want_fwd)
-                if not np.array_equal(a, b)]
-        out[layout] = bad
+        out[layout] = bad + forward_differences(forwards(model, window), want_fwd)
     return out
 
 
 def compare_twin(fp8_path, twin_path, ids) -> dict:
     fp8, twin = (jaxmtp.load(p, dtype="float32", backend="xla", progress=False) for p in (fp8_path, twin_path))
     ids = np.asarray(ids)
-    return {"fp8 vs twin": [what for what, a, b in zip(("logits", "drafts", "exact drafts"), forwards(fp8, ids),
-                                                         forwards(twin, ids)) if not np.array_equal(a, b)]}
+    return {"fp8 vs twin": forward_differences(forwards(fp8, ids), forwards(twin, ids))}
 
 
 def main():

@@ -57,13 +57,15 @@ def _run(model, prompts, k, params, state=True, prefill_slots=None, widths=None)
     while eng.has_work():
         for o in eng.step():
             out[o.request_id] += o.token_ids
-    if not state:
-        return [out[i] for i in ids], None
-    host = jax.device_get(eng.state)
-    # slot i of the returned state holds request i (a DP engine spreads requests over its replicas' slots)
-    order = np.asarray([r.slot for r in reqs] + [s for s in range(4) if s not in {r.slot for r in reqs}])
-    host = jax.tree.map(lambda a: a[order] if a.ndim and a.shape[0] == 4 else a, host)
-    return [out[i] for i in ids], host
+    return [out[i] for i in ids], _state_by_request(eng, reqs) if state else None
+
+
+def _state_by_request(eng, reqs):
+    """The engine's state on the host with slot i holding request i (a DP engine spreads requests over its
+    replicas' slots)."""
+    n = eng.num_slots
+    order = np.asarray([r.slot for r in reqs] + [s for s in range(n) if s not in {r.slot for r in reqs}])
+    return jax.tree.map(lambda a: a[order] if a.ndim and a.shape[0] == n else a, jax.device_get(eng.state))
 
 
 def _one_device_carry(carry, cfg, tp):
