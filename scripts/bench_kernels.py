@@ -528,14 +528,20 @@ def chunk_flops(b, t, hk, hv, d, c=64):
 
 def chunk_tiles(spec):
     """A ``--chunk-variants`` entry: ``auto`` (the kernel policy's choice), ``f,bv,warps,stages`` (read-out fused
-    into the sequential pass) or ``s,bv,warps,stages,out_bv,out_warps`` (separate read-out launch); fields not
-    given keep the policy's."""
+    into the sequential pass) or ``s,bv,warps,stages,out_bv,out_warps`` (separate read-out launch), then any
+    ``field=value`` of :class:`ChunkTiles` (e.g. ``prep_num_warps=2,prep_sub_chunk=32``); fields not given keep the
+    policy's."""
     tiles = DEFAULT_POLICY.gdn_chunk_tiles()
     if spec == "auto":
         return tiles
     form, *vals = spec.split(",")
+    named = dict(v.split("=") for v in vals if "=" in v)
+    vals = [v for v in vals if "=" not in v]
     keys = ("block_v", "num_warps", "num_stages") + (("out_block_v", "out_num_warps") if form == "s" else ())
-    return dataclasses.replace(tiles, fused_readout=form == "f", **dict(zip(keys, map(int, vals))))
+    fields = dict(zip(keys, map(int, vals)))
+    if "num_stages" in fields:  # stages given: at every grid size
+        fields["multiwave_num_stages"] = fields["num_stages"]
+    return dataclasses.replace(tiles, fused_readout=form == "f", **fields, **{k: int(v) for k, v in named.items()})
 
 
 def kernel_breakdown(fn, *args, chain, calls=8):
@@ -548,7 +554,7 @@ def kernel_breakdown(fn, *args, chain, calls=8):
 
 def section_chunk(configs=None):
     """Chunked GDN prefill: ours (each ``--chunk-variants`` entry), the XLA reference and FLA at ``--chunk-shapes``
-    (B:T:Hv; Hk = 16, dk = dv = 128); a per-kernel trace of the first variant."""
+    (B:T:Hv; Hk = 16, dk = dv = 128); a per-kernel trace of each of our variants."""
     sm = ARGS.smoke
     hk, d = (2, 16) if sm else (16, 128)
     fla = None
@@ -576,11 +582,11 @@ def section_chunk(configs=None):
                           reps=3 if name == "xla" else None)
             if sec:
                 extra = {}
-                if i == 0 and not sm:
+                if name != "xla" and not sm:
                     extra["kernels_us"] = guarded(f"chunk trace {shape}", kernel_breakdown, call, q, k, v, g, beta,
                                                   s0, chain=chain_v)
                 record("gdn_chunk", shape, name, sec, nbytes, flops, **extra)
-        if fla is not None and not ARGS.chunk_pallas_only:
+        if fla is not None:
             sets = [fla_inputs(b, t, hk, hv, d) for _ in range(4)]
             res = guarded(f"chunk fla {shape}", time_torch,
                           [functools.partial(lambda tq, tk, tv, tg, tb, ts0: fla(
@@ -1150,13 +1156,14 @@ def main():
                         "e.g. '32;64;128;64,128,4,2'")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode, no torch/FLA (CPU)")
     p.add_argument("--no-fla", action="store_true", help="no torch / FLA (FLA's fused_recurrent crashed at B >= 8)")
-    p.add_argument("--chunk-pallas-only", action="store_true", help="time only our chunk kernel (no XLA, FLA)")
+    p.add_argument("--chunk-pallas-only", action="store_true",
+                   help="no XLA reference in the chunk section (FLA: see --no-fla)")
     p.add_argument("--chunk-shapes", type=lambda v: [tuple(int(x) for x in e.split(":")) for e in v.split(",")],
                    default="1:4096:32,1:16384:32,1:4096:48,1:16384:48,4:4096:32,4:4096:48,1:1024:48",
                    help="chunk section shapes B:T:Hv")
     p.add_argument("--chunk-variants", default="auto",
                    help="chunk kernel tiles, ';'-separated: auto (the policy's), f,bv,warps,stages (fused read-out) or "
-                        "s,bv,warps,stages,out_bv,out_warps (separate read-out)")
+                        "s,bv,warps,stages,out_bv,out_warps (separate read-out), then any field=value of ChunkTiles")
     ARGS = p.parse_args()
     sections = [s for s in ARGS.sections.split(",") if s]
     if ARGS.smoke:
