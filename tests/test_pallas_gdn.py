@@ -116,7 +116,9 @@ def test_chunk_matches_reference(rng, impl, t, r, chunk, dtype, init, pad_rows):
 
 @pytest.mark.parametrize("tiles", [dict(fused_readout=False, block_v=16, out_block_v=32),
                                    dict(fused_readout=False, block_v=64, out_block_v=16),
-                                   dict(fused_readout=True, block_v=16)])
+                                   dict(fused_readout=True, block_v=16),
+                                   dict(fused_readout=True, block_v=32, prep_sub_chunk=32),
+                                   dict(fused_readout=False, block_v=32, prep_sub_chunk=64, chunk_size=64)])
 def test_chunk_tiles_match_reference(rng, tiles):
     """Both read-out forms and every dv slicing of the sequential pass and of the separate read-out give the
     reference (dv = 64: 4 / 1 sequential slices, 2 / 4 read-out slices), bf16, 2 value heads per key head, T not a
@@ -124,9 +126,11 @@ def test_chunk_tiles_match_reference(rng, tiles):
     from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
     from jaxmtp.pallas.policy import DEFAULT_POLICY
 
+    tiles = dict(tiles)
+    chunk = tiles.pop("chunk_size", 32)
     (q, k, v, g, beta), s0 = make_inputs(rng, 2, 90, 2, 2, 32, 64, jnp.bfloat16, ((0, 70),))
     o, s = chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True,
-                                         chunk_size=32, tiles=dataclasses.replace(DEFAULT_POLICY.gdn_chunk_tiles(), **tiles),
+                                         chunk_size=chunk, tiles=dataclasses.replace(DEFAULT_POLICY.gdn_chunk_tiles(), **tiles),
                                          interpret=True)
     o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
     assert_close(o, o_ref, TOL[jnp.bfloat16])
@@ -153,6 +157,24 @@ def test_unsupported_shapes_fall_back_to_reference(rng):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
     with pytest.raises(ValueError):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, implementation="nope")
+
+
+@pytest.mark.parametrize("sms,stages", [(16, 3), (15, 2)])
+def test_chunk_scan_stages_follow_its_waves(sms, stages):
+    """The sequential pass pipelines 3 deep while its B * Hv * dv / BV programs fit one wave of the device's
+    multiprocessors and 2 deep beyond (the H100 measurement behind the policy); 1 x 4 heads x 128 / 32 = 16
+    programs here. Read from the lowered Triton launches (prep: 1 stage)."""
+    import re
+
+    from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
+    from jaxmtp.pallas.policy import KernelPolicy
+
+    tiles = KernelPolicy(num_sms=sms).gdn_chunk_tiles()
+    sds = jax.ShapeDtypeStruct
+    qk, vv, gb = sds((1, 256, 2, 128), jnp.bfloat16), sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 4), jnp.float32)
+    text = _lower(lambda *a: chunk_gated_delta_rule_triton(*a, use_qk_l2norm_in_kernel=True, tiles=tiles), "cuda",
+                  qk, qk, vv, gb, gb)
+    assert re.findall(r"num_stages = (\d+)", text) == ["1", str(stages)]
 
 
 def _lower(fn, platform, *args):

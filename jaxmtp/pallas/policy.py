@@ -84,12 +84,13 @@ class KernelPolicy:
     mixer_num_warps: int = 4
     commit_num_warps: int = 4
     # chunked prefill (gated_delta_rule/chunk_triton.py): the read-out inside the sequential pass (else its own
-    # parallel launch); the sequential pass's dv slice, warps and pipeline stages; the separate read-out's dv slice
-    # and warps; the prep kernel's warps
+    # parallel launch); the sequential pass's dv slice, warps and pipeline stages (while its programs fit one wave,
+    # then beyond); the separate read-out's dv slice and warps; the prep kernel's warps
     gdn_chunk_fused_readout: bool = True
     gdn_chunk_block_v: int = 32
     gdn_chunk_num_warps: int = 4
     gdn_chunk_num_stages: int = 3
+    gdn_chunk_multiwave_num_stages: int = 2
     gdn_chunk_out_block_v: int = 64
     gdn_chunk_out_num_warps: int = 4
     gdn_chunk_prep_num_warps: int = 4
@@ -101,6 +102,7 @@ class KernelPolicy:
 
         return ChunkTiles(fused_readout=bool(self.gdn_chunk_fused_readout), block_v=self.gdn_chunk_block_v,
                           num_warps=self.gdn_chunk_num_warps, num_stages=self.gdn_chunk_num_stages,
+                          multiwave_num_stages=self.gdn_chunk_multiwave_num_stages, wave=self.sms,
                           out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps,
                           prep_num_warps=self.gdn_chunk_prep_num_warps)
 

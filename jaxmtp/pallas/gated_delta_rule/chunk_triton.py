@@ -50,12 +50,12 @@ def _inv_unit_lower(a, n, interpret):
     return x
 
 
-def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale, l2norm, wd, interpret):
+def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale, l2norm, wd, bc, interpret):
     f32 = jnp.float32
-    nb = k_ref.shape[0] // _BC
+    nb = k_ref.shape[0] // bc
     mmw = functools.partial(mm, dtype=wd, interpret=interpret)
     mmf = functools.partial(mm, dtype=f32, interpret=interpret)
-    rows = [slice(i * _BC, (i + 1) * _BC) for i in range(nb)]
+    rows = [slice(i * bc, (i + 1) * bc) for i in range(nb)]
 
     kn, qn, gam, bet = [], [], [], []
     offset = jnp.zeros((), f32)
@@ -70,15 +70,15 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale,
         offset = offset + jnp.sum(g_i)
         bet.append(b_ref[sl].astype(f32))
 
-    ri = lax.broadcasted_iota(jnp.int32, (_BC, _BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (_BC, _BC), 1)
+    ri = lax.broadcasted_iota(jnp.int32, (bc, bc), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (bc, bc), 1)
     amat = {}
     for i in range(nb):
         kb_i = kn[i] * bet[i][:, None]
         for j in range(nb):
             if j > i:
                 if a_ref:
-                    a_ref[0][rows[i], rows[j]] = jnp.zeros((_BC, _BC), a_ref[0].dtype)
+                    a_ref[0][rows[i], rows[j]] = jnp.zeros((bc, bc), a_ref[0].dtype)
                 continue
             diff = gam[i][:, None] - gam[j][None, :]
             if i == j:  # exp only where i >= j: above the diagonal the exponent is positive and may overflow
@@ -93,7 +93,7 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *a_ref, scale,
     # (I + A)^-1 by blocks: diagonal blocks by substitution, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj.
     tm = {}
     for i in range(nb):
-        tm[i, i] = _inv_unit_lower(amat[i, i], _BC, interpret)
+        tm[i, i] = _inv_unit_lower(amat[i, i], bc, interpret)
         for j in range(i - 1, -1, -1):
             acc = mmf(amat[i, j], tm[j, j])
             for m in range(j + 1, i):
@@ -176,7 +176,9 @@ class ChunkTiles:
     """Launch parameters (chosen by :meth:`jaxmtp.pallas.policy.KernelPolicy.gdn_chunk_tiles`): ``fused_readout``
     runs the read-out inside the sequential pass (two launches: ``prep`` also writes ``Aqk``) instead of in its own
     parallel launch (three); ``block_v`` (BV) is the dv slice of a sequential-pass program (programs
-    ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program."""
+    ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program. The sequential pass pipelines its loads
+    ``num_stages`` deep while its programs fit one ``wave`` (the device's multiprocessors: one program each), and
+    ``multiwave_num_stages`` deep beyond (smaller buffers); ``prep_sub_chunk`` is the prep's BC."""
 
     fused_readout: bool
     block_v: int
@@ -185,6 +187,15 @@ class ChunkTiles:
     out_block_v: int
     out_num_warps: int
     prep_num_warps: int
+    multiwave_num_stages: int | None = None  # None: num_stages
+    wave: int = 132
+    prep_sub_chunk: int = _BC
+
+    def scan_stages(self, programs: int) -> int:
+        """Pipeline stages of a sequential pass of ``programs`` programs."""
+        if programs > self.wave and self.multiwave_num_stages is not None:
+            return self.multiwave_num_stages
+        return self.num_stages
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel", "chunk_size",
@@ -223,7 +234,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
         prep_specs.append(chunk(c, same))
     w, u, *aqk = pl.pallas_call(
         functools.partial(_prep_kernel, scale=float(scale), l2norm=use_qk_l2norm_in_kernel, wd=wd,
-                          interpret=bool(interpret)),
+                          bc=min(tiles.prep_sub_chunk, c), interpret=bool(interpret)),
         out_shape=prep_out,
         grid=(b, n, hv),
         in_specs=[chunk(dk, shared), chunk(dk, shared), chunk(dv, same),
@@ -266,7 +277,8 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=pltr.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        compiler_params=pltr.CompilerParams(num_warps=tiles.num_warps,
+                                            num_stages=tiles.scan_stages(b * hv * (dv // bv))),
         interpret=interpret,
         name="gdn_chunk_scan" if fused else "gdn_chunk_states",
     )(*args)
