@@ -12,7 +12,8 @@ For each (batch, k): step ms (median over ``--rounds`` rounds of ``--syncs`` dev
 alternated), tokens/s at ``PUBLISHED_AL[k]``, the bytes the step must read (:func:`jaxmtp.benchmarking.step_bytes`,
 FP8 leaves at 1 byte plus their block scales) over the measured bandwidth. Ratios: FP8 plain over bf16 plain
 tokens/s, FP8 k-step over FP8 plain step, FP8 tokens/s at the published AL over FP8 plain. ``--fit S:C`` also builds
-an engine of S slots x C tokens with the memory check on (does it fit the device?). ``--tiny``: CPU smoke run.
+an engine of S slots x C tokens with the memory check on (does it fit the device?) and, where it fits, times its k =
+3 step with every slot near the end of its context. ``--tiny``: CPU smoke run.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import numpy as np  # noqa: E402
 
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.benchmarking import (PUBLISHED_AL, CompileClock, alternating_step_ms, draft_head_bytes,  # noqa: E402
-                                 hbm_bandwidth, mtp_bytes, random_model, run_metadata, step_bytes, synthetic_engine,
-                                 tiny_config, write_json)
+                                 fill_synthetic, hbm_bandwidth, mtp_bytes, random_model, run_metadata, step_bytes,
+                                 synthetic_engine, timed_loops, tiny_config, write_json)
 from jaxmtp.engine import Engine  # noqa: E402
 from jaxmtp.fp8 import STANDARD  # noqa: E402
 from jaxmtp.param_layout import weight_bytes  # noqa: E402
@@ -77,11 +78,21 @@ def measure(cfg, quantization, args, bw: float) -> dict:
     if args.fit and quantization:
         slots, ctx = (int(x) for x in args.fit.split(":"))
         try:
-            eng = Engine(model, num_slots=slots, max_context=ctx, num_draft_tokens=3)
+            eng = Engine(model, num_slots=slots, max_context=ctx, num_draft_tokens=3,
+                         steps_per_sync=args.steps_per_sync)
             entry["fit"] = {"slots": slots, "context": ctx, "fits": True, "plan_total_bytes": eng.plan.total}
-            del eng
         except Exception as e:  # noqa: BLE001 - the refusal is the measurement
             entry["fit"] = {"slots": slots, "context": ctx, "fits": False, "error": str(e).splitlines()[0]}
+        else:  # every slot busy near the end of its context: the planned engine steps at full size
+            deep = ctx - (args.syncs + 1) * args.steps_per_sync * 4 - 8
+            fill_synthetic(eng, deep, 7)
+            eng.state, out = eng.device_loop()(model.params, eng.state)
+            jax.block_until_ready(out)
+            sec = float(np.median([dt for dt, _ in timed_loops(eng, model.params, args.syncs)])) / eng.steps_per_sync
+            entry["fit"].update(depth=deep, k3_step_ms=sec * 1e3,
+                                tokens_per_s_at_published_al=slots * PUBLISHED_AL[3] / sec,
+                                device_bytes_in_use=(jax.devices()[0].memory_stats() or {}).get("bytes_in_use"))
+            del eng
         print(f"  {slots} slots x {ctx}: {entry['fit']}", flush=True)
     del model
     gc.collect()
