@@ -712,6 +712,40 @@ def _attention_prefill():
         del ref, args
 
 
+def _attention_mosaic():
+    """JAX's own Hopper flash attention in Pallas Mosaic GPU (``jax.experimental.pallas.ops.gpu.attention_mgpu``:
+    TMA loads, warp-specialised, float16 only, no scale, causal only from position 0) beside the plan at causal
+    prompts from position 0 (24/4 heads, head_dim 256): the rate a Mosaic GPU kernel reaches at these shapes. Its
+    inputs are ours cast to float16 (exact for these values), q pre-scaled by 1/16 (exact), the cache read as
+    ``[B, S, Hkv, D]``."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    d = 256
+    cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True)
+    for t in (4096, 8192, 16384):
+        if out_of_time("attention mosaic"):
+            return
+        b, hq, hkv = 1, 24, 4
+        shape = dict(b=b, t=t, hq=hq, hkv=hkv, ctx=t, pos0=0)
+        pos = np.broadcast_to(np.arange(t), (b, t))
+        q, kc, vc, pos = attn_inputs(jax.random.key(t), b, t, hq, hkv, d, t, pos)
+        flops = causal_flops(hq, d, pos)
+        ours = functools.partial(cached_attention_triton, **impl_kw())
+        sec = guarded(f"attention mosaic plan {shape}", time_jax, ours, q, kc, vc, pos, chain=chain_first)
+        if sec:
+            record("attention_prefill", shape, "plan", sec, None, flops)
+        f16 = [(q * d**-0.5).astype(jnp.float16)] + [c.transpose(0, 2, 1, 3).astype(jnp.float16) for c in (kc, vc)]
+        mosaic = functools.partial(attention_mgpu.attention, config=cfg)
+        out = guarded(f"attention mosaic {shape}", mosaic, *f16)
+        if out is None:
+            continue
+        add_check(f"attention mosaic {shape} vs plan", *rel_err(out.astype(jnp.bfloat16), ours(q, kc, vc, pos)), 1e-2)
+        sec = guarded(f"attention mosaic {shape}", time_jax, mosaic, *f16, chain=chain_first)
+        if sec:
+            record("attention_prefill", shape, "jax_mosaic_gpu", sec, None, flops)
+        del q, kc, vc, f16, out
+
+
 def _attention_splits():
     from jaxmtp.pallas.attention.decode_triton import launch_plan
     from jaxmtp.pallas.attention.prelude_triton import fused_splits, gated_attention_triton
@@ -767,9 +801,12 @@ def section_attention():
     - ``splits``: decode (T = 1, B 1 and 8, 24/4 and 24/2 heads, a 32k cache wholly valid) through the fused layer
       (``prelude_triton.gated_attention_triton``: prelude, attention, epilogue) and through
       ``cached_attention_triton`` (jnp combine), for ``plan`` and each ``--attention-splits`` entry
-      (``splits[,bs,warps,stages]``); GB/s of the K and V rows read (:func:`kv_read_bytes`)."""
+      (``splits[,bs,warps,stages]``); GB/s of the K and V rows read (:func:`kv_read_bytes`);
+    - ``mosaic`` (not in the default list): JAX's Mosaic GPU flash attention beside the plan at causal 4k / 8k / 16k
+      prompts (:func:`_attention_mosaic`)."""
     parts = {p.strip() for p in ARGS.attention_parts.split(",")}
-    for name, fn in (("decode", _attention_decode), ("prefill", _attention_prefill), ("splits", _attention_splits)):
+    for name, fn in (("decode", _attention_decode), ("prefill", _attention_prefill), ("splits", _attention_splits),
+                     ("mosaic", _attention_mosaic)):
         if name in parts and not out_of_time(f"attention {name}"):
             guarded(f"attention {name}", fn)
 
