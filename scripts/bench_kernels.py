@@ -713,37 +713,47 @@ def _attention_prefill():
 
 
 def _attention_mosaic():
-    """JAX's own Hopper flash attention in Pallas Mosaic GPU (``jax.experimental.pallas.ops.gpu.attention_mgpu``:
-    TMA loads, warp-specialised, float16 only, no scale, causal only from position 0) beside the plan at causal
-    prompts from position 0 (24/4 heads, head_dim 256): the rate a Mosaic GPU kernel reaches at these shapes. Its
-    inputs are ours cast to float16 (exact for these values), q pre-scaled by 1/16 (exact), the cache read as
-    ``[B, S, Hkv, D]``."""
+    """Prefill attention on Hopper: our Mosaic GPU kernel (:mod:`jaxmtp.pallas.attention.prefill_mosaic`, what the
+    policy runs for prefill chunks there) beside the Triton kernel's plan, at causal 4k / 8k / 16k prompts from
+    position 0 and late 1k / 2k chunks of 8k / 32k caches (24/4 heads, head_dim 256); on the prompts also JAX's own
+    Mosaic GPU flash attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``: float16 only, causal only from
+    position 0, no cache offset; inputs ours cast to float16 (exact here), q pre-scaled by 1/16 (exact), the cache
+    read as ``[B, S, Hkv, D]``). Each checked against the plan."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    from jaxmtp.pallas.attention.prefill_mosaic import prefill_attention_mosaic
 
     d = 256
     cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True)
-    for t in (4096, 8192, 16384):
+    for t, s, p0 in ((4096, 4096, 0), (8192, 8192, 0), (16384, 16384, 0), (1024, 8192, 7168), (1024, 32768, 31744),
+                     (2048, 32768, 30720)):
         if out_of_time("attention mosaic"):
             return
         b, hq, hkv = 1, 24, 4
-        shape = dict(b=b, t=t, hq=hq, hkv=hkv, ctx=t, pos0=0)
-        pos = np.broadcast_to(np.arange(t), (b, t))
-        q, kc, vc, pos = attn_inputs(jax.random.key(t), b, t, hq, hkv, d, t, pos)
+        shape = dict(b=b, t=t, hq=hq, hkv=hkv, ctx=s, pos0=p0)
+        pos = np.broadcast_to(p0 + np.arange(t), (b, t))
+        q, kc, vc, pos = attn_inputs(jax.random.key(t + s), b, t, hq, hkv, d, s, pos)
         flops = causal_flops(hq, d, pos)
         ours = functools.partial(cached_attention_triton, **impl_kw())
+        ref = guarded(f"attention mosaic plan {shape}", ours, q, kc, vc, pos)
         sec = guarded(f"attention mosaic plan {shape}", time_jax, ours, q, kc, vc, pos, chain=chain_first)
         if sec:
             record("attention_prefill", shape, "plan", sec, None, flops)
-        f16 = [(q * d**-0.5).astype(jnp.float16)] + [c.transpose(0, 2, 1, 3).astype(jnp.float16) for c in (kc, vc)]
-        mosaic = functools.partial(attention_mgpu.attention, config=cfg)
-        out = guarded(f"attention mosaic {shape}", mosaic, *f16)
-        if out is None:
-            continue
-        add_check(f"attention mosaic {shape} vs plan", *rel_err(out.astype(jnp.bfloat16), ours(q, kc, vc, pos)), 1e-2)
-        sec = guarded(f"attention mosaic {shape}", time_jax, mosaic, *f16, chain=chain_first)
-        if sec:
-            record("attention_prefill", shape, "jax_mosaic_gpu", sec, None, flops)
-        del q, kc, vc, f16, out
+        runs = [("mosaic", prefill_attention_mosaic, (q, kc, vc, pos), lambda o: o)]
+        if p0 == 0:
+            f16 = [(q * d**-0.5).astype(jnp.float16)] + [c.transpose(0, 2, 1, 3).astype(jnp.float16) for c in (kc, vc)]
+            runs.append(("jax_mosaic_gpu", functools.partial(attention_mgpu.attention, config=cfg), tuple(f16),
+                         lambda o: o.astype(jnp.bfloat16)))
+        for name, fn, args, cast in runs:
+            out = guarded(f"attention {name} {shape}", fn, *args)
+            if out is None:
+                continue
+            if ref is not None:
+                add_check(f"attention {name} {shape} vs plan", *rel_err(cast(out), ref), 1e-2)
+            sec = guarded(f"attention {name} {shape}", time_jax, fn, *args, chain=chain_first)
+            if sec:
+                record("attention_prefill", shape, name, sec, None, flops)
+        del q, kc, vc, ref, runs
 
 
 def _attention_splits():
@@ -802,8 +812,8 @@ def section_attention():
       (``prelude_triton.gated_attention_triton``: prelude, attention, epilogue) and through
       ``cached_attention_triton`` (jnp combine), for ``plan`` and each ``--attention-splits`` entry
       (``splits[,bs,warps,stages]``); GB/s of the K and V rows read (:func:`kv_read_bytes`);
-    - ``mosaic`` (not in the default list): JAX's Mosaic GPU flash attention beside the plan at causal 4k / 8k / 16k
-      prompts (:func:`_attention_mosaic`)."""
+    - ``mosaic`` (not in the default list; Hopper): our Mosaic GPU prefill kernel and JAX's own Mosaic GPU flash
+      attention beside the Triton plan (:func:`_attention_mosaic`)."""
     parts = {p.strip() for p in ARGS.attention_parts.split(",")}
     for name, fn in (("decode", _attention_decode), ("prefill", _attention_prefill), ("splits", _attention_splits),
                      ("mosaic", _attention_mosaic)):

@@ -3,7 +3,9 @@
 * speculative greedy decoding (oracle drafts, every acceptance length) reproduces plain greedy decoding on the
   shipped default model, and at a released shape with random weights parts from it only at near-tied logits;
 * the verify forward's logits and committed GDN states match one-token decode steps at a released shape;
-* prefill, decode and verify of small dense and MoE models with every kernel match the XLA path.
+* prefill, decode and verify of small dense and MoE models with every kernel match the XLA path (on a Hopper GPU
+  the prefill's attention runs the Mosaic GPU kernel);
+* the Hopper prefill attention kernel (Mosaic GPU) matches the float32 reference at chunks, offsets and ragged rows.
 
 Run on the GPU machine with ``python -m pytest -m gpu tests/test_gpu_checks.py`` (about 9 minutes on an H100, mostly
 compiling; ``-n 5`` runs the five tests side by side); elsewhere they skip.
@@ -88,6 +90,38 @@ def test_kernels_match_xla_in_a_model(layout):
     kernels = override_backend(checks.all_kernels(), "kernel_max_rows=64,output_gemv_max_rows=4")
     results = checks.kernels_vs_xla(cfg, kernels)
     assert len(results) == 4 and all(c["pass"] for c in results), results
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,starts", [
+    (1, 256, 24, 4, 256, [0]), (2, 256, 24, 4, 1024, [0, 300]), (2, 500, 24, 2, 2048, [64, 1536]),
+    (1, 128, 8, 2, 512, [384]), (2, 300, 16, 2, 4096, [3700, 0]), (1, 256, 24, 4, 512, [384]),
+])
+def test_mosaic_prefill_attention_matches_reference(b, t, hq, hkv, s, starts):
+    """The Hopper prefill kernel (jaxmtp.pallas.attention.prefill_mosaic) against the float32 jnp reference: GQA 4, 6
+    and 12, chunks from position 0 and late in the cache, rows of a batch at different offsets, T not a multiple of
+    its 128-row tiles, query rows past the cache's end (their values unread), stale cache rows past each position
+    (1e3, which a read past a row's position would show), bf16. On a GPU other than Hopper it skips."""
+    from jaxmtp.pallas.attention import attention_reference
+    from jaxmtp.pallas.attention.prefill_mosaic import prefill_attention_mosaic
+    from jaxmtp.pallas.policy import device_is_hopper
+
+    if not device_is_hopper():
+        pytest.skip("the Mosaic GPU prefill kernel needs a Hopper GPU")
+    rng = np.random.default_rng(t + s)
+    pos = np.asarray(starts)[:, None] + np.arange(t)[None]
+    kc, vc = rng.standard_normal((2, b, hkv, s, 256))
+    for row in range(b):
+        kc[row, :, pos[row, -1] + 1 :] = vc[row, :, pos[row, -1] + 1 :] = 1e3
+    q = jnp.asarray(rng.standard_normal((b, t, hq, 256)), jnp.bfloat16)
+    kc, vc, pos = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16), jnp.asarray(pos, jnp.int32)
+    got = np.asarray(prefill_attention_mosaic(q, kc, vc, pos), np.float64)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(attention_reference(q.astype(jnp.float32), kc.astype(jnp.float32),
+                                              vc.astype(jnp.float32), pos), np.float64)
+    valid = (np.asarray(pos) < s)[:, :, None, None]
+    assert np.isfinite(got).all()
+    err = np.linalg.norm(np.where(valid, got - want, 0)) / np.linalg.norm(np.where(valid, want, 0))
+    assert err < 1e-2, err
 
 
 def test_fp8_kernels_match_float64_at_released_shapes():

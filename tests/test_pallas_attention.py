@@ -135,6 +135,30 @@ def test_prefill_plan_through_ops_policy(rng):
     check(o, attention_reference(q, kc, vc, pos), pos, TOL[jnp.float32])
 
 
+def test_prefill_windows_on_hopper_choose_the_mosaic_kernel():
+    """The policy sends a "triton" prefill window (>= ``attention_mosaic_min_tokens`` tokens, a 16-bit cache of
+    whole 64-row blocks, head_dim a multiple of 64 up to 256) to the Mosaic GPU kernel on a Hopper GPU only; decode
+    and verify windows, other GPUs, float32, odd shapes and the interpreters keep the Triton kernel (the Mosaic GPU
+    kernel itself is checked on an H100: tests/test_gpu_checks.py)."""
+    from jaxmtp.pallas.attention import use_mosaic_prefill
+
+    sds = jax.ShapeDtypeStruct
+    hopper = KernelPolicy(hopper=True)
+    q = lambda t, d=256, dt=jnp.bfloat16: sds((2, t, 24, d), dt)  # noqa: E731
+    cache = lambda s=4096, d=256, dt=jnp.bfloat16, hkv=4: sds((2, hkv, s, d), dt)  # noqa: E731
+    assert use_mosaic_prefill(q(1024), cache(), hopper) and use_mosaic_prefill(q(128), cache(), hopper)
+    assert use_mosaic_prefill(q(200, 128), cache(256, 128, hkv=2), hopper)
+    assert not use_mosaic_prefill(q(1024), cache(), KernelPolicy(hopper=False))
+    assert not use_mosaic_prefill(q(1024), cache(), KernelPolicy(hopper=True, attention_mosaic_min_tokens=None))
+    for qq, cc in ((q(5), cache()), (q(127), cache()), (q(1024, dt=jnp.float32), cache(dt=jnp.float32)),
+                   (q(1024), cache(s=4000)), (q(1024, 32), cache(d=32)), (q(1024, 512), cache(d=512))):
+        assert not use_mosaic_prefill(qq, cc, hopper), (qq, cc)
+    policy = KernelPolicy(hopper=True, attention_mosaic_min_tokens=16)  # the interpreter never takes it
+    qv, kc, vc, pos = make_inputs(np.random.default_rng(0), 1, 20, 4, 2, 64, 64, jnp.bfloat16, [0], pad_last=False)
+    out = cached_attention(qv, kc, vc, pos, implementation="triton_interpret", policy=policy)
+    check(out, attention_reference(qv, kc, vc, pos), pos, TOL[jnp.bfloat16])
+
+
 def test_kv_ranges_split_unmasked_and_masked_blocks():
     """Blocks wholly at or below every valid row's position are unmasked; padding rows do not shrink that range."""
     ranges = lambda pos, **kw: tuple(int(x) for x in kv_ranges(jnp.asarray(pos, jnp.int32), 16, 300, **kw))  # noqa

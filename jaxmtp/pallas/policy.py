@@ -27,12 +27,24 @@ def device_num_sms() -> int:
     return int(count) if isinstance(count, int) and count > 0 else FALLBACK_NUM_SMS
 
 
+@functools.lru_cache(maxsize=None)
+def device_is_hopper() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (compute capability 9.x: TMA copies and warpgroup matrix
+    products, what the Mosaic GPU kernels use)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPolicy:
     """Which kernel runs where, and with what tiles (defaults: the measured choices on Hopper GPUs)."""
 
     # device facts
     num_sms: int | None = None  # programs per wave; None: read from the device (:func:`device_num_sms`)
+    hopper: bool | None = None  # a Hopper GPU (Mosaic GPU kernels); None: ask the device (:func:`device_is_hopper`)
 
     # backend choice by model size (jaxmtp.pallas.resolve_backend on an NVIDIA GPU)
     matmul_kernel_max_hidden: int = 2048  # hidden sizes up to this run one-row projections on the skinny kernel
@@ -76,6 +88,9 @@ class KernelPolicy:
     attention_decode_num_stages: int = 3
     attention_split_waves: int = 1  # split the kv range until about this many waves of programs run
     attention_max_splits: int = 32  # most splits of the fused layer's launch (its epilogue combines them)
+    # prefill windows of at least this many tokens per row run the Mosaic GPU kernel on Hopper GPUs
+    # (jaxmtp.pallas.attention.prefill_mosaic; None: never); fewer, and other GPUs, the Triton kernel
+    attention_mosaic_min_tokens: int | None = 128
 
     # gated delta rule (jaxmtp.pallas.gated_delta_rule)
     recurrent_max_tokens: int = 16  # the recurrent / mixer / commit kernels unroll over at most this many tokens
@@ -107,6 +122,11 @@ class KernelPolicy:
                           prep_num_warps=self.gdn_chunk_prep_num_warps)
 
     @property
+    def is_hopper(self) -> bool:
+        """:attr:`hopper`, or the device's answer when it is None."""
+        return self.hopper if self.hopper is not None else device_is_hopper()
+
+    @property
     def sms(self) -> int:
         """:attr:`num_sms`, or the device's count when it is None."""
         return self.num_sms if self.num_sms is not None else device_num_sms()
@@ -119,4 +139,4 @@ def policy_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(KernelPolicy))
 
 
-__all__ = ["DEFAULT_POLICY", "FALLBACK_NUM_SMS", "KernelPolicy", "device_num_sms", "policy_fields"]
+__all__ = ["DEFAULT_POLICY", "FALLBACK_NUM_SMS", "KernelPolicy", "device_is_hopper", "device_num_sms", "policy_fields"]

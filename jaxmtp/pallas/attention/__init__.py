@@ -18,11 +18,30 @@ from jaxmtp.pallas.attention.reference import (attention_reference, output_gate_
 from jaxmtp.pallas.policy import KernelPolicy
 
 
+def use_mosaic_prefill(q, k_cache, policy: KernelPolicy | None) -> bool:
+    """Whether a ``"triton"`` attention call runs :mod:`.prefill_mosaic` instead: a window of at least
+    ``policy.attention_mosaic_min_tokens`` tokens (a prefill chunk) on a Hopper GPU, in shapes the kernel takes."""
+    from jaxmtp.pallas.attention import prefill_mosaic
+    from jaxmtp.pallas.policy import DEFAULT_POLICY
+
+    policy = policy or DEFAULT_POLICY
+    b, t, hq, d = q.shape
+    least = policy.attention_mosaic_min_tokens
+    return (least is not None and t >= least and policy.is_hopper and q.dtype == k_cache.dtype
+            and prefill_mosaic.supports(t, hq, k_cache.shape[1], d, k_cache.shape[2], k_cache.dtype))
+
+
 def cached_attention(q, k_cache, v_cache, q_positions, *, scale=None, implementation="xla",
                      policy: KernelPolicy | None = None):
     """Dispatch to an implementation; see :mod:`jaxmtp.pallas.attention.reference` for shapes. ``policy``: the
-    Triton kernel's tiles and splits (:func:`.decode_triton.launch_plan`; None: the default policy)."""
+    Triton kernel's tiles and splits (:func:`.decode_triton.launch_plan`; None: the default policy) and whether a
+    prefill window on a Hopper GPU runs the Mosaic GPU kernel (:func:`use_mosaic_prefill`; its rows must be
+    consecutive positions, as every prefill chunk's are)."""
     d, s = q.shape[-1], k_cache.shape[2]
+    if implementation == TRITON and use_mosaic_prefill(q, k_cache, policy):
+        from jaxmtp.pallas.attention.prefill_mosaic import prefill_attention_mosaic
+
+        return prefill_attention_mosaic(q, k_cache, v_cache, q_positions, scale=scale)
     if implementation in (TRITON, TRITON_INTERPRET):
         if d >= 16 and d & (d - 1) == 0 and s >= 16:
             from jaxmtp.pallas.attention.decode_triton import cached_attention_triton
@@ -74,4 +93,4 @@ def fused_gated_attention(proj, q_norm, k_norm, inv_freq, k_cache, v_cache, posi
 
 
 __all__ = ["attention_reference", "cached_attention", "fused_gated_attention", "output_gate_reference",
-           "prelude_reference", "split_qkv"]
+           "prelude_reference", "split_qkv", "use_mosaic_prefill"]
