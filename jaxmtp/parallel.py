@@ -268,8 +268,10 @@ class ParallelLayout:
     dp: int = 1
 
     def backend(self, backend):
-        """``backend`` with this layout's collectives (:class:`jaxmtp.pallas.Backend`)."""
-        return dataclasses.replace(backend, parallel=self.collectives)
+        """``backend`` with this layout's collectives (:class:`jaxmtp.pallas.Backend`). Prefill attention stays on
+        the Triton kernel under a mesh: the Mosaic GPU prefill kernel has been checked on one GPU only."""
+        policy = dataclasses.replace(backend.policy, attention_mosaic_min_tokens=None)
+        return dataclasses.replace(backend, parallel=self.collectives, policy=policy)
 
     def state_config(self) -> Qwen35Config:
         """The config whose carries have the global (stacked over ranks) shapes: local heads x tp."""
