@@ -84,7 +84,7 @@ def prefill_attention_mosaic(q, k_cache, v_cache, q_positions, *, scale=None):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(k_full.at[slot])
 
-                def qk(ref):  # (JAX 0.11 deprecates transpose_ref for ref.transpose, not in 0.10)
+                def qk(ref):  # JAX 0.11 deprecates transpose_ref for ref.transpose; checked on the GPU as written
                     plgpu.wgmma(ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return ref[...]
 
