@@ -13,8 +13,8 @@ a float32 ``[BQ, D]`` accumulator in registers, p rounded to the cache dtype for
 kernel does). The grid reads K and V once per query head: the Hq / Hkv heads of a group read the same blocks, which
 stay in L2.
 
-Measured on an H100 against the Triton kernel's prefill tiles: 1.4-1.8x faster at 4k-16k prompts and late 1-2k
-chunks of 8k-32k caches (docs/performance.md, "Attention over the KV cache").
+Measured on an H100 against the Triton kernel's prefill tiles: 1.2-1.3x faster at 4k-16k prompts, 1.4-1.6x at late
+1-2k chunks of 8k-32k caches (docs/performance.md, "Attention over the KV cache").
 """
 import functools
 import math
