@@ -153,6 +153,13 @@ def test_prefill_windows_on_hopper_choose_the_mosaic_kernel():
     for qq, cc in ((q(5), cache()), (q(127), cache()), (q(1024, dt=jnp.float32), cache(dt=jnp.float32)),
                    (q(1024), cache(s=4000)), (q(1024, 32), cache(d=32)), (q(1024, 512), cache(d=512))):
         assert not use_mosaic_prefill(qq, cc, hopper), (qq, cc)
+    # the engine sizes KV rows in the kernel's whole 64-row blocks only where it can run
+    from jaxmtp.engine.memory import kv_capacity
+
+    assert hopper.kv_row_block("triton") == 64 and kv_capacity(8192, 3, 64) == 8256 and kv_capacity(8192, 3) == 8195
+    for other, attention in ((KernelPolicy(hopper=False), "triton"), (hopper, "triton_interpret"), (hopper, "xla"),
+                             (KernelPolicy(hopper=True, attention_mosaic_min_tokens=None), "triton")):
+        assert other.kv_row_block(attention) == 1
     policy = KernelPolicy(hopper=True, attention_mosaic_min_tokens=16)  # the interpreter never takes it
     qv, kc, vc, pos = make_inputs(np.random.default_rng(0), 1, 20, 4, 2, 64, 64, jnp.bfloat16, [0], pad_last=False)
     out = cached_attention(qv, kc, vc, pos, implementation="triton_interpret", policy=policy)

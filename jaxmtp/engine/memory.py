@@ -1,7 +1,7 @@
 """Memory accounting from the config: weights, per-slot carries and the per-step transients.
 
-Per slot (``capacity`` = max context + k rows of KV headroom for the verify window, rounded up to whole blocks of
-:data:`KV_ROW_BLOCK` rows: :func:`kv_capacity`):
+Per slot (``capacity`` = max context + k rows of KV headroom for the verify window, rounded up to whole kv blocks
+where the attention kernel reads the cache in blocks: :func:`kv_capacity`):
 
 * KV: attention layers x 2 (k, v) x Hkv x capacity x head_dim x dtype bytes, plus the same for each MTP layer;
 * GDN: layers x (Hv x dk x dv x 4 bytes of float32 state + K x conv channels x dtype bytes of the conv ring);
@@ -115,24 +115,22 @@ class MemoryPlan:
         return "\n".join(f"  {name:45s}{gib(b)}" for name, b in rows)
 
 
-KV_ROW_BLOCK = 64  # the Hopper prefill attention kernel reads the cache in whole blocks of this many rows
-
-
-def kv_capacity(max_context: int, k: int) -> int:
+def kv_capacity(max_context: int, k: int, block: int = 1) -> int:
     """KV rows per slot: ``max_context`` plus k of headroom for the verify window, rounded up to a multiple of
-    :data:`KV_ROW_BLOCK` (:mod:`jaxmtp.pallas.attention.prefill_mosaic` takes only caches of whole blocks; the
-    rows past ``max_context + k`` are never written)."""
-    return -(-(max_context + k) // KV_ROW_BLOCK) * KV_ROW_BLOCK
+    ``block`` (:meth:`jaxmtp.pallas.KernelPolicy.kv_row_block`: the Hopper prefill kernel takes only caches of whole
+    64-row blocks; the rows past ``max_context + k`` are never written)."""
+    return -(-(max_context + k) // block) * block
 
 
 def memory_plan(cfg: Qwen35Config, slots: int, max_context: int, k: int, dtype=jnp.bfloat16,
-                weights: int | None = None, fp8=None) -> MemoryPlan:
+                weights: int | None = None, fp8=None, kv_block: int = 1) -> MemoryPlan:
     """Bytes needed to serve ``slots`` requests of up to ``max_context`` tokens with ``k`` draft tokens.
     ``weights``: the params' bytes if known (the serving layout's quantised draft head adds V x H / 2 as int4, V x H
     as int8); else the native layout's, from the config (``fp8``, a :class:`jaxmtp.fp8.Fp8Scheme`: with the
-    linears it converts in block FP8)."""
+    linears it converts in block FP8). ``kv_block``: KV rows per slot come in whole blocks of this many
+    (:func:`kv_capacity`)."""
     b = jnp.dtype(dtype).itemsize
-    capacity = kv_capacity(max_context, k)
+    capacity = kv_capacity(max_context, k, kv_block)
     n_attn, n_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * b
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4

@@ -121,6 +121,18 @@ class KernelPolicy:
                           out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps,
                           prep_num_warps=self.gdn_chunk_prep_num_warps)
 
+    def kv_row_block(self, attention: str) -> int:
+        """Rows of a KV cache's blocks for an ``attention`` implementation: the Hopper prefill kernel's 64 where
+        it runs (:mod:`jaxmtp.pallas.attention.prefill_mosaic` reads whole blocks), else 1. The engine sizes each
+        slot's KV rows in whole blocks (:func:`jaxmtp.engine.memory.kv_capacity`)."""
+        from jaxmtp.pallas._common import TRITON
+
+        if attention == TRITON and self.attention_mosaic_min_tokens is not None and self.is_hopper:
+            from jaxmtp.pallas.attention.prefill_mosaic import BLOCK_KV
+
+            return BLOCK_KV
+        return 1
+
     @property
     def is_hopper(self) -> bool:
         """:attr:`hopper`, or the device's answer when it is None."""
