@@ -364,6 +364,35 @@ def test_memory_plan_matches_allocated_state(models):
         assert "total (3 slots, " in eng.plan.table()
 
 
+def test_kv_rows_in_whole_blocks_change_nothing(models, rng, monkeypatch):
+    """Where the Hopper prefill kernel runs, the engine rounds each slot's KV rows up to whole 64-row blocks
+    (``KernelPolicy.kv_row_block``): the rows past max_context + k are never written or read. Forced here on the CPU
+    (the XLA attention reads every row, masked): the same greedy and seeded tokens with drafts as unrounded, with the
+    prefix cache hitting, and the plan still equal to the allocated carries."""
+    from jaxmtp.pallas.policy import KernelPolicy
+
+    prompts = mixed_prompts(rng, (7, 30, 19, 5))
+    prompts.append(prompts[1] + [3, 1, 4])  # shares the 30-token prompt's prefix
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=t, seed=i)
+              for i, (n, t) in enumerate([(9, 0.0), (14, 0.8), (6, 0.0), (11, 0.0), (8, 1.0)])]
+    outs, shapes = {}, {}
+    for block in (1, 64):
+        monkeypatch.setattr(KernelPolicy, "kv_row_block", lambda self, attention, block=block: block)
+        eng = Engine(models["dense"], num_draft_tokens=2, prefix_cache_memory=1 << 22, prefix_cache_granularity=16,
+                     **SETTINGS)
+        shapes[block] = eng.state.carry[-1].k.shape[2]
+        results = run(eng, prompts, params)
+        outs[block] = [t for t, _ in results]
+        assert results[-1][1].num_cached_tokens > 0, "the shared prefix did not hit"
+        carry_bytes = sum(x.nbytes for x in jax_leaves(eng.state.carry)) + sum(
+            x.nbytes for x in jax_leaves(eng.state.mtp_carry))
+        st = eng.state
+        processing = sum(x.nbytes for x in (st.counts, st.seen, st.bias_ids, st.bias_vals))
+        assert carry_bytes + processing == SETTINGS["num_slots"] * eng.plan.persistent_per_slot
+    assert shapes == {1: SETTINGS["max_context"] + 2, 64: 128}
+    assert outs[64] == outs[1]
+
+
 def jax_leaves(tree):
     import jax
 
