@@ -10,8 +10,7 @@ padding rows past a row's tokens compute values nobody reads) and sees cache row
 warpgroups walk the same kv blocks, those up to the program's last row, masking only the blocks that reach past a
 row's position, so their barrier phases stay in step. Online softmax in base 2 (scores scaled by ``scale * log2 e``),
 a float32 ``[BQ, D]`` accumulator in registers, p rounded to the cache dtype for the second product (as the Triton
-kernel does). The grid reads K and V once per query head: the Hq / Hkv heads of a group read the same blocks, which
-stay in L2.
+kernel does). The grid reads K and V once per query head: the Hq / Hkv heads of a group read the same blocks.
 
 Measured on an H100 against the Triton kernel's prefill tiles: 1.2-1.3x faster at 4k-16k prompts, 1.4-1.6x at late
 1-2k chunks of 8k-32k caches (docs/performance.md, "Attention over the KV cache").
