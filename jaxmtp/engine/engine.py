@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmtp.engine import prefix_cache as _prefix
 from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
-from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, kv_capacity, memory_plan
+from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
 from jaxmtp.engine.policy import default_max_prefill_tokens, default_num_draft_tokens, default_prefill_chunk
 from jaxmtp.pallas.backend import platform
 from jaxmtp.param_layout import weight_bytes
@@ -245,9 +245,9 @@ class Engine:
         self.replica_slots = per_replica = num_slots // dp  # slot buckets are prefixes of each replica's slots
         weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
         # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
-        self.kv_block = model.backend.policy.kv_row_block(model.backend.attention)
+        # KV rows per slot (plan.capacity): max_context + k, in whole blocks where the attention kernel reads blocks
         self.plan = memory_plan(run_cfg, per_replica, max_context, self.k, model.dtype, weights=weights,
-                                kv_block=self.kv_block)
+                                kv_block=model.backend.policy.kv_row_block(model.backend.attention))
         self.prefix_cache = self._pool = None
         if prefix_cache_memory:
             self._plan_prefix_cache(prefix_cache_memory, prefix_cache_granularity or _prefix.DEFAULT_GRANULARITY,
@@ -257,8 +257,7 @@ class Engine:
             check_fits(self.plan, device_memory_bytes())
         if oracle_probs is not None and len(oracle_probs) != self.k + 1:
             raise EngineConfigError(f"oracle_probs needs k + 1 = {self.k + 1} entries")
-        init = functools.partial(steps.init_state, slots=num_slots,
-                                 capacity=kv_capacity(max_context, self.k, self.kv_block), k=self.k,
+        init = functools.partial(steps.init_state, slots=num_slots, capacity=self.plan.capacity, k=self.k,
                                  dtype=model.dtype, oracle_probs=oracle_probs)
         if layout is None:
             self.state = init(cfg=cfg)
@@ -543,7 +542,7 @@ class Engine:
         auto = memory == "auto"
         if granularity < 16 or granularity & (granularity - 1):
             raise EngineConfigError(f"prefix_cache_granularity must be a power of two >= 16, got {granularity}")
-        capacity = kv_capacity(self.max_context, self.k, self.kv_block)
+        capacity = self.plan.capacity
         # one device's entry: a rank's heads under tensor parallelism (the pools split over the ranks as the carries)
         shapes = jax.eval_shape(lambda: steps.init_state(self.model.run_config, 1, capacity, self.k, self.model.dtype))
         block, snap = _prefix.pool_bytes_per_entry(shapes, granularity)
