@@ -121,13 +121,19 @@ class KernelPolicy:
                           out_block_v=self.gdn_chunk_out_block_v, out_num_warps=self.gdn_chunk_out_num_warps,
                           prep_num_warps=self.gdn_chunk_prep_num_warps)
 
-    def kv_row_block(self, attention: str) -> int:
-        """Rows of a KV cache's blocks for an ``attention`` implementation: the Hopper prefill kernel's 64 where
-        it runs (:mod:`jaxmtp.pallas.attention.prefill_mosaic` reads whole blocks), else 1. The engine sizes each
-        slot's KV rows in whole blocks (:func:`jaxmtp.engine.memory.kv_capacity`)."""
+    def runs_mosaic_prefill(self, attention: str) -> bool:
+        """Whether prefill windows of an ``attention`` implementation may run the Mosaic GPU prefill kernel: the
+        ``"triton"`` one on a Hopper GPU with ``attention_mosaic_min_tokens`` set (the window's size and shapes
+        decide per call: :func:`jaxmtp.pallas.attention.use_mosaic_prefill`)."""
         from jaxmtp.pallas._common import TRITON
 
-        if attention == TRITON and self.attention_mosaic_min_tokens is not None and self.is_hopper:
+        return attention == TRITON and self.attention_mosaic_min_tokens is not None and self.is_hopper
+
+    def kv_row_block(self, attention: str) -> int:
+        """Rows of a KV cache's blocks for an ``attention`` implementation: the Hopper prefill kernel's 64 where
+        it may run (:mod:`jaxmtp.pallas.attention.prefill_mosaic` reads whole blocks), else 1. The engine sizes
+        each slot's KV rows in whole blocks (:func:`jaxmtp.engine.memory.kv_capacity`)."""
+        if self.runs_mosaic_prefill(attention):
             from jaxmtp.pallas.attention.prefill_mosaic import BLOCK_KV
 
             return BLOCK_KV

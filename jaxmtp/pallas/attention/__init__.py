@@ -20,14 +20,15 @@ from jaxmtp.pallas.policy import KernelPolicy
 
 def use_mosaic_prefill(q, k_cache, policy: KernelPolicy | None) -> bool:
     """Whether a ``"triton"`` attention call runs :mod:`.prefill_mosaic` instead: a window of at least
-    ``policy.attention_mosaic_min_tokens`` tokens (a prefill chunk) on a Hopper GPU, in shapes the kernel takes."""
+    ``policy.attention_mosaic_min_tokens`` tokens (a prefill chunk) on a Hopper GPU
+    (:meth:`~jaxmtp.pallas.policy.KernelPolicy.runs_mosaic_prefill`), in shapes the kernel takes."""
     from jaxmtp.pallas.attention import prefill_mosaic
     from jaxmtp.pallas.policy import DEFAULT_POLICY
 
     policy = policy or DEFAULT_POLICY
-    b, t, hq, d = q.shape
-    least = policy.attention_mosaic_min_tokens
-    return (least is not None and t >= least and policy.is_hopper and q.dtype == k_cache.dtype
+    _, t, hq, d = q.shape
+    return (policy.runs_mosaic_prefill(TRITON) and t >= policy.attention_mosaic_min_tokens
+            and q.dtype == k_cache.dtype
             and prefill_mosaic.supports(t, hq, k_cache.shape[1], d, k_cache.shape[2], k_cache.dtype))
 
 
