@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import l2norm_rows, mm, pad_to_chunks, work_dtype
+from jaxmtp.pallas.policy import FALLBACK_NUM_SMS
 
 _BC = 16  # sub-chunk: the smallest matmul tile
 
@@ -188,7 +189,7 @@ class ChunkTiles:
     out_num_warps: int
     prep_num_warps: int
     multiwave_num_stages: int | None = None  # None: num_stages
-    wave: int = 132
+    wave: int = FALLBACK_NUM_SMS
     prep_sub_chunk: int = _BC
 
     def scan_stages(self, programs: int) -> int:
