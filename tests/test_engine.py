@@ -356,11 +356,7 @@ def test_memory_plan_matches_allocated_state(models):
     model = models["moe"]
     for k in (0, 3):
         eng = Engine(model, num_slots=3, max_context=40, num_draft_tokens=k, prefill_chunk=16)
-        carry_bytes = sum(x.nbytes for x in jax_leaves(eng.state.carry)) + sum(
-            x.nbytes for x in jax_leaves(eng.state.mtp_carry))
-        st = eng.state
-        processing = sum(x.nbytes for x in (st.counts, st.seen, st.bias_ids, st.bias_vals))
-        assert carry_bytes + processing == 3 * eng.plan.persistent_per_slot
+        assert persistent_bytes(eng) == 3 * eng.plan.persistent_per_slot
         assert "total (3 slots, " in eng.plan.table()
 
 
@@ -384,19 +380,16 @@ def test_kv_rows_in_whole_blocks_change_nothing(models, rng, monkeypatch):
         results = run(eng, prompts, params)
         outs[block] = [t for t, _ in results]
         assert results[-1][1].num_cached_tokens > 0, "the shared prefix did not hit"
-        carry_bytes = sum(x.nbytes for x in jax_leaves(eng.state.carry)) + sum(
-            x.nbytes for x in jax_leaves(eng.state.mtp_carry))
-        st = eng.state
-        processing = sum(x.nbytes for x in (st.counts, st.seen, st.bias_ids, st.bias_vals))
-        assert carry_bytes + processing == SETTINGS["num_slots"] * eng.plan.persistent_per_slot
+        assert persistent_bytes(eng) == SETTINGS["num_slots"] * eng.plan.persistent_per_slot
     assert shapes == {1: SETTINGS["max_context"] + 2, 64: 128}
     assert outs[64] == outs[1]
 
 
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree_util.tree_leaves(tree)
+def persistent_bytes(eng):
+    """Bytes of an engine's per-slot persistent state as allocated: carries, MTP carries, sampling state."""
+    st = eng.state
+    carries = sum(x.nbytes for x in jax.tree_util.tree_leaves((st.carry, st.mtp_carry)))
+    return carries + sum(x.nbytes for x in (st.counts, st.seen, st.bias_ids, st.bias_vals))
 
 
 def test_slot_buckets_give_the_same_tokens_as_full_steps(models, rng):
