@@ -60,13 +60,13 @@ def speculative_vs_plain(model, k: int, prompts, tokens: int) -> dict:
     spec, stats = greedy_outputs(spec_engine, prompts, tokens, continuations=plain)
     same = [a == b for a, b in zip(plain, spec)]
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(plain, spec)]
-    gaps = _top2_gaps(model, [None if d is None else list(p) + o[:d] for p, o, d in zip(prompts, plain, first)])
+    gaps = top2_gaps(model, [None if d is None else list(p) + o[:d] for p, o, d in zip(prompts, plain, first)])
     return {"k": k, "identical": all(same), "identical_per_prompt": same, "first_difference": first,
             "top2_gap_at_difference": gaps, "acceptance_per_position": [s.acceptance_per_position for s in stats],
             "mean_acceptance_length": [s.mean_acceptance_length for s in stats], "plain": plain, "spec": spec}
 
 
-def _top2_gaps(model, seqs) -> list:
+def top2_gaps(model, seqs) -> list:
     """For each token list of ``seqs`` (None: skipped), the gap between the two largest next-token logits after it,
     from one full forward (:meth:`Model.logits`) over the lists right-padded to one length (causal: the padding does
     not reach the rows read)."""
@@ -92,7 +92,7 @@ def verify_vs_decode(model, t: int, windows: int, prompt_len: int, margin: float
     Returns ``logit_max_abs_diff`` / ``logit_median_max_abs_diff`` (per position, max over the vocabulary),
     ``logit_std`` (median over positions of the decode logits' std), ``decided_positions`` (where the decode step's
     top two logits are more than ``margin`` apart) and ``decided_agree`` (of those, where both paths pick the same
-    token), ``undecided_flips_top2_gaps`` (the top-2 gaps where an undecided choice differs) and
+    token), ``undecided_flipstop2_gaps`` (the top-2 gaps where an undecided choice differs) and
     ``committed_state_max_rel_diff`` (max abs difference over the state's max abs value)."""
     cfg, params, backend = model.config, model.params, model.backend
     fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
@@ -129,7 +129,7 @@ def verify_vs_decode(model, t: int, windows: int, prompt_len: int, margin: float
                 state_err = max(state_err, float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
     return {"logit_max_abs_diff": max(diffs), "logit_median_max_abs_diff": float(np.median(diffs)),
             "logit_std": float(np.median(scales)), "decided_positions": decided, "decided_agree": agree,
-            "undecided_flips_top2_gaps": flips, "committed_state_max_rel_diff": state_err}
+            "undecided_flipstop2_gaps": flips, "committed_state_max_rel_diff": state_err}
 
 
 # ---------------------------------------------------------------------------------------------------------------

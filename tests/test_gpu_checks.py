@@ -5,7 +5,8 @@
 * the verify forward's logits and committed GDN states match one-token decode steps at a released shape;
 * prefill, decode and verify of small dense and MoE models with every kernel match the XLA path (on a Hopper GPU
   the prefill's attention runs the Mosaic GPU kernel);
-* the Hopper prefill attention kernel (Mosaic GPU) matches the float32 reference at chunks, offsets and ragged rows.
+* the Hopper prefill attention kernel (Mosaic GPU) matches the float32 reference at chunks, offsets and ragged rows,
+  and long prompts through the engine decode as with the Triton kernel.
 
 Run on the GPU machine with ``python -m pytest -m gpu tests/test_gpu_checks.py`` (about 9 minutes on an H100, mostly
 compiling; ``-n 5`` runs the five tests side by side); elsewhere they skip.
@@ -92,15 +93,17 @@ def test_kernels_match_xla_in_a_model(layout):
     assert len(results) == 4 and all(c["pass"] for c in results), results
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,s,starts", [
-    (1, 256, 24, 4, 256, [0]), (2, 256, 24, 4, 1024, [0, 300]), (2, 500, 24, 2, 2048, [64, 1536]),
-    (1, 128, 8, 2, 512, [384]), (2, 300, 16, 2, 4096, [3700, 0]), (1, 256, 24, 4, 512, [384]),
+@pytest.mark.parametrize("b,t,hq,hkv,s,starts,d", [
+    (1, 256, 24, 4, 256, [0], 256), (2, 256, 24, 4, 1024, [0, 300], 256), (2, 500, 24, 2, 2048, [64, 1536], 256),
+    (1, 128, 8, 2, 512, [384], 256), (2, 300, 16, 2, 4096, [3700, 0], 256), (1, 256, 24, 4, 512, [384], 256),
+    (2, 700, 4, 2, 1600, [0, 900], 64), (1, 200, 8, 1, 320, [100], 128),
 ])
-def test_mosaic_prefill_attention_matches_reference(b, t, hq, hkv, s, starts):
+def test_mosaic_prefill_attention_matches_reference(b, t, hq, hkv, s, starts, d):
     """The Hopper prefill kernel (jaxmtp.pallas.attention.prefill_mosaic) against the float32 jnp reference: GQA 4, 6
     and 12, chunks from position 0 and late in the cache, rows of a batch at different offsets, T not a multiple of
     its 128-row tiles, query rows past the cache's end (their values unread), stale cache rows past each position
-    (1e3, which a read past a row's position would show), bf16. On a GPU other than Hopper it skips."""
+    (1e3, which a read past a row's position would show), head_dim 256 (the released models), 128 and 64 (the
+    shipped default model), bf16. On a GPU other than Hopper it skips."""
     from jaxmtp.pallas.attention import attention_reference
     from jaxmtp.pallas.attention.prefill_mosaic import prefill_attention_mosaic
     from jaxmtp.pallas.policy import device_is_hopper
@@ -109,10 +112,10 @@ def test_mosaic_prefill_attention_matches_reference(b, t, hq, hkv, s, starts):
         pytest.skip("the Mosaic GPU prefill kernel needs a Hopper GPU")
     rng = np.random.default_rng(t + s)
     pos = np.asarray(starts)[:, None] + np.arange(t)[None]
-    kc, vc = rng.standard_normal((2, b, hkv, s, 256))
+    kc, vc = rng.standard_normal((2, b, hkv, s, d))
     for row in range(b):
         kc[row, :, pos[row, -1] + 1 :] = vc[row, :, pos[row, -1] + 1 :] = 1e3
-    q = jnp.asarray(rng.standard_normal((b, t, hq, 256)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
     kc, vc, pos = jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16), jnp.asarray(pos, jnp.int32)
     got = np.asarray(prefill_attention_mosaic(q, kc, vc, pos), np.float64)
     with jax.default_matmul_precision("highest"):
@@ -122,6 +125,35 @@ def test_mosaic_prefill_attention_matches_reference(b, t, hq, hkv, s, starts):
     assert np.isfinite(got).all()
     err = np.linalg.norm(np.where(valid, got - want, 0)) / np.linalg.norm(np.where(valid, want, 0))
     assert err < 1e-2, err
+
+
+def test_long_prompts_prefilled_by_the_mosaic_kernel_decode_as_with_the_triton_kernel():
+    """The engine's whole path on Hopper with prompts long enough for the Mosaic GPU prefill kernel (two 1024-token
+    chunks, the second late in the cache; a 700-token prompt beside it) and KV rows rounded up to whole 64-row
+    blocks (max_context not a multiple of 64): the shipped model's greedy tokens, plain and k = 3, equal those with
+    the kernel off (Triton prefill, unrounded rows), except at near-tied logits (bf16 sums in another order)."""
+    import jaxmtp
+    from jaxmtp.benchmarking import variant_model
+    from jaxmtp.engine import Engine
+
+    model = jaxmtp.load(progress=False)
+    policy = model.backend.policy
+    if not policy.runs_mosaic_prefill(model.backend.attention):
+        pytest.skip("the Mosaic GPU prefill kernel runs on a Hopper GPU in bf16 only")
+    triton = variant_model(model, "attention_mosaic_min_tokens=none")
+    ids = model.tokenizer.encode("".join(PROMPTS) * 200).ids
+    prompts = [ids[:1500], ids[37:737]]
+    tokens = 24
+    common = dict(num_slots=2, max_context=1500 + tokens + 9, check_memory=False)
+    assert Engine(model, num_draft_tokens=0, **common).plan.capacity % 64 == 0
+    want, _ = checks.greedy_outputs(Engine(triton, num_draft_tokens=0, **common), prompts, tokens)
+    for k in (0, 3):
+        got, _ = checks.greedy_outputs(Engine(model, num_draft_tokens=k, **common), prompts, tokens)
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(want, got)]
+        gaps = checks.top2_gaps(model, [None if d is None else list(p) + w[:d]
+                                         for p, w, d in zip(prompts, want, first)])
+        assert all(g is None or g < 0.05 for g in gaps), (k, first, gaps)
+        assert sum(d is None for d in first) >= 1, (k, first)
 
 
 def test_fp8_kernels_match_float64_at_released_shapes():
