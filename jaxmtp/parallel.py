@@ -266,12 +266,18 @@ class ParallelLayout:
     local_config: Qwen35Config
     collectives: TensorParallel
     dp: int = 1
+    workspace: Any = dataclasses.field(default=None, compare=False, repr=False)  # the one-shot reduce's buffers
 
     def backend(self, backend):
         """``backend`` with this layout's collectives (:class:`jaxmtp.pallas.Backend`). Prefill attention stays on
         the Triton kernel under a mesh: the Mosaic GPU prefill kernel has been checked on one GPU only."""
         policy = dataclasses.replace(backend.policy, attention_mosaic_min_tokens=None)
         return dataclasses.replace(backend, parallel=self.collectives, policy=policy)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes of this layout's collective workspace on each device (the one-shot reduce's; else 0)."""
+        return 0 if self.workspace is None else self.workspace.nbytes // self.workspace.shape[0]
 
     def state_config(self) -> Qwen35Config:
         """The config whose carries have the global (stacked over ranks) shapes: local heads x tp."""
@@ -299,8 +305,21 @@ class ParallelLayout:
         return P(*([None] * (ndim - 1) + [TP])) if self.collectives.vocab_sharded else P()
 
 
+def resolve_reduce(reduce: str, tp: int, dp: int = 1) -> str:
+    """The reduction mode ``"auto"`` stands for: ``"oneshot"`` at TP 2 without data parallelism in one process on a
+    CUDA GPU with jax_triton (the layout it was measured faster in: docs/performance.md, "Tensor parallelism"),
+    else ``"psum"``; any other mode as given."""
+    if reduce != "auto":
+        return reduce
+    from jaxmtp.pallas import allreduce_oneshot
+
+    if tp == 2 and dp == 1 and jax.process_count() == 1 and allreduce_oneshot.available():
+        return "oneshot"
+    return "psum"
+
+
 def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = None,
-                reduce: str = "psum") -> ParallelLayout:
+                reduce: str = "auto") -> ParallelLayout:
     """The layout for ``dp`` replicas of ``tp`` ranks (devices in order), or a given mesh with the axes ``("tp",)``
     or ``("dp", "tp")``; errors name what does not fit."""
     if mesh is not None:
@@ -312,8 +331,28 @@ def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = 
         tp, dp = mesh.shape[TP], mesh.shape[DP]
     check_layout(cfg, tp)
     mesh = mesh if mesh is not None else make_mesh(tp, dp)
-    collectives = TensorParallel(size=tp, reduce=reduce, vocab_sharded=vocab_sharded(cfg, tp))
-    return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives, dp)
+    workspace, peers = None, ()
+    reduce = resolve_reduce(reduce, tp, dp)
+    if reduce == "oneshot":
+        from jaxmtp.pallas import allreduce_oneshot
+
+        if not allreduce_oneshot.available():
+            raise ConfigError("tensor_parallel_reduce='oneshot' needs a CUDA GPU and the jax_triton package "
+                              "(pip install 'jaxmtp[gpu]'); use 'psum'")
+        workspace, peers = allreduce_oneshot.allocate(mesh)
+    collectives = TensorParallel(size=tp, reduce=reduce, vocab_sharded=vocab_sharded(cfg, tp), peers=peers)
+    return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives, dp, workspace)
+
+
+def with_reduce(model, reduce: str):
+    """``model`` (sharded) with the ranks' sums made in mode ``reduce`` (:data:`jaxmtp.pallas.collectives.REDUCE_MODES`),
+    its params shared: the layout's mesh and shapes, another :class:`TensorParallel` (a fresh workspace for
+    ``"oneshot"``)."""
+    layout = model.layout
+    if layout is None:
+        raise ValueError("with_reduce needs a sharded model (tensor_parallel_size > 1 or a mesh)")
+    new = make_layout(model.config, layout.tp, mesh=layout.mesh, reduce=reduce)
+    return dataclasses.replace(model, layout=new, backend=new.backend(model.backend))
 
 
 def data_parallel_prefill(fn: Callable) -> Callable:

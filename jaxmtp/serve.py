@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="M",
                    help="M replicas of the tensor-parallel group, each with an equal share of the slots "
                         "(--slots must be a multiple of M)")
+    g.add_argument("--tensor-parallel-reduce", default="auto", choices=["auto", "psum", "oneshot", "fixed"],
+                   help="how -tp ranks sum their partial products: psum (XLA's all-reduce), oneshot (a one-shot "
+                        "kernel in the step's stream for decode and verify rows; CUDA with jax_triton: pip install "
+                        "'jaxmtp[gpu]'), fixed (one fixed order, the same bits at every -tp; slower; for debugging); "
+                        "auto: oneshot at -tp 2 without -dp where it can run, else psum")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")
@@ -174,12 +179,12 @@ def load_model(args):
         return random_model(args.random_model, dtype=dtype, backend=args.backend,
                             int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits,
                             tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                            quantization=args.quantization)
+                            quantization=args.quantization, tensor_parallel_reduce=args.tensor_parallel_reduce)
     return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
                        int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
                        draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization,
                        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                       quantization=args.quantization)
+                       quantization=args.quantization, tensor_parallel_reduce=args.tensor_parallel_reduce)
 
 
 async def serve(args) -> int:

@@ -29,7 +29,7 @@ def child(args) -> dict:
     from jaxmtp import shapes
     from jaxmtp.benchmarking import (PUBLISHED_AL, alternating_step_ms, covered_time, is_device_stream,
                                      random_model, read_trace, synthetic_engine, tiny_config)
-    from jaxmtp.parallel import device_bytes
+    from jaxmtp.parallel import device_bytes, with_reduce
 
     cfg = tiny_config(args.model) if args.tiny else shapes.config(args.model)
     if args.layers:
@@ -47,12 +47,16 @@ def child(args) -> dict:
            int(sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))), "steps": []}
     batches = [int(b) for b in args.batch.split(",")]
     ks = [int(k) for k in args.k.split(",")]
+    modes = args.reduce.split(",") if tp > 1 else ["psum"]
+    variants = {m: model if model.layout is None or model.layout.collectives.reduce == m else with_reduce(model, m)
+                for m in modes}
     for b in batches:
-        engines = [synthetic_engine(model, b, k, args.context, 16, args.steps_per_sync) for k in ks]
+        runs = [(m, k) for m in modes for k in ks]  # every (mode, k) engine timed in alternating rounds
+        engines = [synthetic_engine(variants[m], b, k, args.context, 16, args.steps_per_sync) for m, k in runs]
         times = alternating_step_ms(engines, model.params, args.rounds, args.syncs)
-        for k, ts, eng in zip(ks, times, engines):
+        for (m, k), ts, eng in zip(runs, times, engines):
             ms = float(np.median(ts))
-            row = {"batch": b, "k": k, "step_ms": ms, "rounds_ms": ts,
+            row = {"batch": b, "k": k, "reduce": m, "step_ms": ms, "rounds_ms": ts,
                    "tokens_per_s_published_al": b * PUBLISHED_AL[k] / ms * 1e3}
             if args.profile and b == batches[0]:
                 row["collective_share"] = collective_share(eng, model.params, jax, covered_time, is_device_stream,
@@ -63,10 +67,14 @@ def child(args) -> dict:
     # exactness on the devices: greedy speculative == greedy plain on this model
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 40).tolist() for _ in range(4)]
-    tokens = {k: greedy(model, prompts, k) for k in (0, 3)}
+    tokens = {k: greedy(variants[modes[0]], prompts, k) for k in (0, 3)}
     # bf16 random weights have near-ties everywhere: report how long spec and plain agree (tokens of 48)
     out["spec_vs_plain_agreeing_prefix"] = [common_prefix(a, b) for a, b in zip(tokens[0], tokens[3])]
-    del model
+    for m in modes[1:]:  # the other modes against the first on the same weights
+        mine = {k: greedy(variants[m], prompts, k) for k in (0, 3)}
+        out[f"{m}_vs_{modes[0]}_agreeing_prefix"] = {k: [common_prefix(a, b) for a, b in zip(tokens[k], mine[k])]
+                                                     for k in (0, 3)}
+    del model, variants
     if tp > 1 and args.exact_model:  # the same weights at TP 1 and TP N: do the sharded tokens agree?
         from jaxmtp.loaded_model import Model, serving_params
         from jaxmtp.model import init_params
@@ -163,6 +171,8 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--exact-model", default="qwen3.5-0.8b",
                     help="a shape whose same weights run at TP 1 and TP N: greedy tokens compared ('' to skip)")
+    ap.add_argument("--reduce", default="psum",
+                    help="TP sum modes to time side by side in each TP > 1 process (psum, oneshot, fixed)")
     ap.add_argument("--profile", action="store_true", help="also the collectives' share of the step (profiler)")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every child (an A/B of a flag)")
     ap.add_argument("--child-timeout", type=float, default=None,
@@ -204,16 +214,18 @@ def main() -> None:
         if base is None or not r.get("steps"):
             continue
         for s in r["steps"]:
-            b = next((x for x in base["steps"] if x["batch"] == s["batch"] and x["k"] == s["k"]), None)
+            b = next((x for x in base["steps"] if x["batch"] == s["batch"] and x["k"] == s["k"]
+                      and x.get("reduce", "psum") == "psum"), None)
             if b is not None:
                 s["ratio_to_tp1"] = s["step_ms"] / b["step_ms"]
-        plain = {s["batch"]: s for s in r["steps"] if s["k"] == 0}
+        plain = {(s["batch"], s.get("reduce")): s for s in r["steps"] if s["k"] == 0}
         for s in r["steps"]:
-            if s["k"] and s["batch"] in plain:
-                s["speedup_vs_plain_published_al"] = s["tokens_per_s_published_al"] / plain[s["batch"]][
-                    "tokens_per_s_published_al"]
+            if s["k"] and (s["batch"], s.get("reduce")) in plain:
+                s["speedup_vs_plain_published_al"] = s["tokens_per_s_published_al"] / plain[s["batch"], s.get(
+                    "reduce")]["tokens_per_s_published_al"]
     result = {"meta": run_metadata(), "args": vars(args), "runs": runs}
-    print(json.dumps({r["tp"]: [(s["batch"], s["k"], round(s["step_ms"], 3), round(s.get("ratio_to_tp1", 0), 3))
+    print(json.dumps({r["tp"]: [(s["batch"], s["k"], s.get("reduce"), round(s["step_ms"], 3),
+                                 round(s.get("ratio_to_tp1", 0), 3))
                                 for s in r.get("steps", [])] for r in runs}))
     if args.out:
         write_json(args.out, result)

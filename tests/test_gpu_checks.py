@@ -214,3 +214,62 @@ def test_speculative_greedy_reproduces_plain_greedy_on_the_default_model_in_fp8(
     gaps = [g for g in out["top2_gap_at_difference"] if g is not None]
     assert len(gaps) <= 1 and all(g < 0.05 for g in gaps), out["top2_gap_at_difference"]
     assert all(1.0 < al < 4.0 for al in out["mean_acceptance_length"]), out
+
+
+def _two_gpus_with_jax_triton():
+    from jaxmtp.pallas import allreduce_oneshot
+
+    if len(jax.devices()) < 2 or not allreduce_oneshot.available():
+        pytest.skip("needs two CUDA GPUs and jax_triton")
+
+
+@pytest.mark.parametrize("numel", [5120, 4 * 5120, 128 * 5120, 3001])
+def test_oneshot_allreduce_equals_psum(numel):
+    """The one-shot all-reduce (jaxmtp.pallas.allreduce_oneshot) against lax.psum over every GPU of the host, 300
+    calls chained in one loop (counters and both staging parities wrap many times, calls of every size share the
+    workspace): bit for bit on two GPUs (a + b either way), within float32 rounding on more (the ranks summed in
+    another order)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxmtp.pallas import allreduce_oneshot
+
+    _two_gpus_with_jax_triton()
+    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    ws, peers = allreduce_oneshot.allocate(mesh)
+
+    def chain(reduce):
+        def f(x):
+            return jax.lax.fori_loop(0, 300, lambda i, y: reduce(y * 0.5 + x), x)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+
+    x = jax.device_put(np.random.default_rng(numel).standard_normal((n, numel)).astype(np.float32),
+                       NamedSharding(mesh, P("tp")))
+    got = np.asarray(chain(lambda y: allreduce_oneshot.allreduce(y, "tp", n, peers))(x))
+    want = np.asarray(chain(lambda y: allreduce_oneshot.reference(y, "tp"))(x))
+    assert np.isfinite(got).all()
+    if n == 2:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[0], got[-1])  # every rank holds the same bits
+    del ws
+
+
+def test_the_oneshot_reduce_decodes_as_psum_on_two_gpus():
+    """The shipped model at tensor_parallel_size=2 in float32: greedy tokens, plain and k = 3, with the one-shot
+    all-reduce equal those with lax.psum (two ranks: the same sums bit for bit)."""
+    import jaxmtp
+    from jaxmtp.engine import Engine
+
+    _two_gpus_with_jax_triton()
+    prompts = None
+    out = {}
+    for reduce in ("psum", "oneshot"):
+        model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=2, tensor_parallel_reduce=reduce)
+        prompts = prompts or [model.tokenizer.encode(p).ids for p in PROMPTS]
+        for k in (0, 3):
+            common = dict(num_slots=len(prompts), max_context=160, check_memory=False)
+            out[reduce, k], _ = checks.greedy_outputs(Engine(model, num_draft_tokens=k, **common), prompts, 48)
+    for k in (0, 3):
+        assert out["oneshot", k] == out["psum", k], k

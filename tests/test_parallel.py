@@ -144,6 +144,12 @@ def test_logits_and_drafts_match_one_device_at_tp_2_4_8(wide, kind, rng):
             _close(g, w, f"{what} tp={tp} {reduce}")
 
 
+def test_the_oneshot_reduce_asks_for_a_cuda_gpu_and_jax_triton(wide):
+    """The one-shot all-reduce kernel runs on CUDA only: elsewhere the load refuses it, naming the fallback."""
+    with pytest.raises(ConfigError, match="'oneshot' needs a CUDA GPU and the jax_triton package .*use 'psum'"):
+        _load(wide("dense"), 2, "oneshot")
+
+
 @pytest.mark.parametrize("kind,tp,k", [("moe", 2, 2), ("dense", 2, 0),
                                        pytest.param("dense", 4, 3, marks=pytest.mark.slow),
                                        pytest.param("next", 8, 1, marks=pytest.mark.slow)])

@@ -243,8 +243,10 @@ class Engine:
             raise EngineConfigError(f"num_slots={num_slots} must be a multiple of data_parallel_size={dp} (each "
                                     "replica holds an equal share of the slots)")
         self.replica_slots = per_replica = num_slots // dp  # slot buckets are prefixes of each replica's slots
-        weights = weight_bytes(model.params) if layout is None else device_bytes(model.params)
-        # one device's bytes: a rank's heads and widths, its share of the weights, its replica's slots
+        weights = (weight_bytes(model.params) if layout is None
+                   else device_bytes(model.params) + layout.workspace_bytes)
+        # one device's bytes: a rank's heads and widths, its share of the weights (and collective workspace), its
+        # replica's slots
         # KV rows per slot (plan.capacity): max_context + k, in whole blocks where the attention kernel reads blocks
         self.plan = memory_plan(run_cfg, per_replica, max_context, self.k, model.dtype, weights=weights,
                                 kv_block=model.backend.policy.kv_row_block(model.backend.attention))

@@ -10,7 +10,9 @@ and the only communication is what this module does:
 
 :class:`TensorParallel` is carried by the :class:`jaxmtp.pallas.Backend` (``backend.parallel``), so the ops that
 end a block reduce without any layer knowing about ranks. ``reduce="psum"`` (the default) sums with ``lax.psum``
-in float32; ``reduce="fixed"`` fixes the order: each row-parallel product is computed as ``chunks`` fixed slices of
+in float32; ``reduce="oneshot"`` sums a decode or verify step's rows with a one-shot kernel on the compute stream
+(:mod:`jaxmtp.pallas.allreduce_oneshot`, CUDA; larger tensors take the psum) that gives the psum's values, summed
+in rank order; ``reduce="fixed"`` fixes the order: each row-parallel product is computed as ``chunks`` fixed slices of
 its K axis whose float32 partial products are summed in one balanced tree of the same shape at every TP degree (the
 slices a rank owns are a subtree; the ranks' subtree sums are gathered and the tree finished in rank order), so the
 reduction gives the same bits at TP 1, 2, 4, 8 and across processes, where a psum does not. Whole outputs (logits,
@@ -26,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-REDUCE_MODES = ("psum", "fixed")
+REDUCE_MODES = ("psum", "fixed", "oneshot")
 
 #: XLA flags under which the CPU backend compiles an op to the same arithmetic whatever the sizes of its other axes,
 #: so that a rank's share of the heads gets one device's bits. By default it does not (measured with jax 0.10.2):
@@ -44,13 +46,15 @@ SHAPE_STABLE_CPU_XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_
 class TensorParallel:
     """The step's tensor-parallel setting: ``size`` ranks on mesh axis ``axis``; ``reduce`` mode (module doc);
     ``chunks``: the fixed mode's K slices per row-parallel product (a multiple of every TP degree used);
-    ``vocab_sharded``: the LM head holds V / size columns per rank (else it is replicated)."""
+    ``vocab_sharded``: the LM head holds V / size columns per rank (else it is replicated); ``peers``: the one-shot
+    mode's workspace addresses (:func:`jaxmtp.pallas.allreduce_oneshot.allocate`)."""
 
     size: int = 1
     axis: str = "tp"
     reduce: str = "psum"
     chunks: int = 8
     vocab_sharded: bool = False
+    peers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.reduce not in REDUCE_MODES:
@@ -80,6 +84,11 @@ def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
     dtype = dtype or y.dtype
     if not tp.active:
         return y.astype(dtype)
+    if tp.reduce == "oneshot" and tp.size > 1:
+        from jaxmtp.pallas import allreduce_oneshot
+
+        if y.size <= allreduce_oneshot.CAPACITY:
+            return allreduce_oneshot.allreduce(y, tp.axis, tp.size, tp.peers).astype(dtype)
     return jax.lax.psum(y.astype(jnp.float32), tp.axis).astype(dtype)
 
 

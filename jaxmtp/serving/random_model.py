@@ -49,12 +49,13 @@ def random_config(name: str) -> Qwen35Config:
 
 def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int8_draft_head: bool = True,
                  draft_vocab: int | None = None, draft_head_bits: int | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, quantization: str | None = None) -> Model:
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, quantization: str | None = None,
+                 tensor_parallel_reduce: str = "auto") -> Model:
     """A :class:`jaxmtp.Model` of preset ``name`` with random weights and no tokenizer (and no EOS id), in the
     serving layout that :func:`jaxmtp.load` gives (:mod:`jaxmtp.param_layout`). ``draft_vocab``: a hot draft
     vocabulary of that many ids (the first ones: with random weights, which ids are hot does not matter; for step
-    costs). ``tensor_parallel_size``, ``data_parallel_size``, ``quantization``: as :func:`jaxmtp.load` (FP8 drawn
-    directly as block FP8, :func:`jaxmtp.model.init_params`)."""
+    costs). ``tensor_parallel_size``, ``data_parallel_size``, ``quantization``, ``tensor_parallel_reduce``: as
+    :func:`jaxmtp.load` (FP8 drawn directly as block FP8, :func:`jaxmtp.model.init_params`)."""
     check_quantization(quantization)
     cfg = random_config(name)
     dtype = jnp.dtype(dtype)
@@ -67,7 +68,7 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, backend="auto", int
 
         if draft_vocab is not None:
             raise ValueError("a tensor-parallel random model has no draft vocabulary")
-        layout = make_layout(cfg, tensor_parallel_size, dp=data_parallel_size)
+        layout = make_layout(cfg, tensor_parallel_size, dp=data_parallel_size, reduce=tensor_parallel_reduce)
         params = random_params(cfg, layout, dtype, backend, seed=seed, draft_head=int8_draft_head,
                                draft_head_bits=draft_head_bits)
         return Model(config=cfg, params=params, tokenizer=None, path=f"random:{name}", dtype=dtype,
