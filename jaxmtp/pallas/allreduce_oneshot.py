@@ -21,7 +21,8 @@ The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1)
 A program spins on its peers' flags, so every program of a call must be resident at once: at most
 :data:`MAX_PROGRAMS` (1024 programs of 4 warps; an H100 holds 2112). Larger tensors (prefill chunks) take
 ``lax.psum``. The workspace's device addresses are static arguments of the kernel (``TensorParallel.peers``): the
-workspace is allocated once per layout and lives as long as it (:class:`jaxmtp.parallel.ParallelLayout`).
+workspace is allocated once per layout and lives as long as it (:class:`jaxmtp.parallel.ParallelLayout`), and as
+the addresses are part of the backend, every compiled step (and the AOT store's key) belongs to one workspace.
 
 Needs ``jax_triton`` (the ``gpu`` extra) and a CUDA GPU; :func:`available` says whether both are present. The
 kernel cannot run on a CPU (no interpreter for raw pointers): it is checked on the GPU against ``lax.psum``
