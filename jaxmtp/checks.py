@@ -92,7 +92,7 @@ def verify_vs_decode(model, t: int, windows: int, prompt_len: int, margin: float
     Returns ``logit_max_abs_diff`` / ``logit_median_max_abs_diff`` (per position, max over the vocabulary),
     ``logit_std`` (median over positions of the decode logits' std), ``decided_positions`` (where the decode step's
     top two logits are more than ``margin`` apart) and ``decided_agree`` (of those, where both paths pick the same
-    token), ``undecided_flipstop2_gaps`` (the top-2 gaps where an undecided choice differs) and
+    token), ``undecided_flips_top2_gaps`` (the top-2 gaps where an undecided choice differs) and
     ``committed_state_max_rel_diff`` (max abs difference over the state's max abs value)."""
     cfg, params, backend = model.config, model.params, model.backend
     fwd = jax.jit(functools.partial(forward, cfg=cfg, backend=backend), static_argnames="step_states")
@@ -129,7 +129,7 @@ def verify_vs_decode(model, t: int, windows: int, prompt_len: int, margin: float
                 state_err = max(state_err, float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
     return {"logit_max_abs_diff": max(diffs), "logit_median_max_abs_diff": float(np.median(diffs)),
             "logit_std": float(np.median(scales)), "decided_positions": decided, "decided_agree": agree,
-            "undecided_flipstop2_gaps": flips, "committed_state_max_rel_diff": state_err}
+            "undecided_flips_top2_gaps": flips, "committed_state_max_rel_diff": state_err}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -339,15 +339,18 @@ def make_layout(cfg: Qwen35Config, tp: int, *, dp: int = 1, mesh: Mesh | None = 
         if not allreduce_oneshot.available():
             raise ConfigError("tensor_parallel_reduce='oneshot' needs a CUDA GPU and the jax_triton package "
                               "(pip install 'jaxmtp[gpu]'); use 'psum'")
+        if jax.process_count() > 1:
+            raise ConfigError("tensor_parallel_reduce='oneshot' reaches its peers' memory within one process; "
+                              f"this mesh spans {jax.process_count()} processes: use 'psum'")
         workspace, peers = allreduce_oneshot.allocate(mesh)
     collectives = TensorParallel(size=tp, reduce=reduce, vocab_sharded=vocab_sharded(cfg, tp), peers=peers)
     return ParallelLayout(mesh, tp, local_config(cfg, tp), collectives, dp, workspace)
 
 
 def with_reduce(model, reduce: str):
-    """``model`` (sharded) with the ranks' sums made in mode ``reduce`` (:data:`jaxmtp.pallas.collectives.REDUCE_MODES`),
-    its params shared: the layout's mesh and shapes, another :class:`TensorParallel` (a fresh workspace for
-    ``"oneshot"``)."""
+    """``model`` (sharded) with the ranks' sums made in mode ``reduce`` (``"auto"`` or one of
+    :data:`jaxmtp.pallas.collectives.REDUCE_MODES`), its params shared: the layout's mesh and shapes, another
+    :class:`TensorParallel` (a fresh workspace for ``"oneshot"``)."""
     layout = model.layout
     if layout is None:
         raise ValueError("with_reduce needs a sharded model (tensor_parallel_size > 1 or a mesh)")
