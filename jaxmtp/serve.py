@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and activations; auto: float32 on CPU, bfloat16 on accelerators")
     g.add_argument("--backend", default="auto", help="kernels: auto or xla (jaxmtp.pallas.resolve_backend)")
+    g.add_argument("--kernel-override", default="", metavar="SPEC",
+                   help="for debugging and side-by-side benchmarks: kernel choices or kernel-policy fields set over "
+                        "--backend, 'name=value,...' (jaxmtp.pallas.override_backend), e.g. "
+                        "attention_mosaic_min_tokens=none runs prefill attention on the Triton kernel on Hopper")
     g.add_argument("--exact-draft-head", dest="int8_draft_head", action="store_false",
                    help="draft with the bf16 LM head and MTP layer instead of their quantised copies (outputs are the "
                         "same either way; the copies cut what each draft reads: the head to a quarter (int4) or half "
@@ -171,20 +175,33 @@ def load_model(args):
     from jaxmtp.loaded_model import resolve_dtype
 
     dtype = resolve_dtype(args.dtype).name  # the rule jaxmtp.load and python -m jaxmtp apply
+    if args.kernel_override:  # a bad spec is refused before any weight is read
+        from jaxmtp.pallas import Backend, override_backend
+
+        override_backend(Backend(), args.kernel_override)
     if args.random_model:
         from jaxmtp.serving.random_model import random_model
 
         if args.draft_vocab is not None:
             raise ValueError("--draft-vocab takes a checkpoint's token ids; it does not apply to --random-model")
-        return random_model(args.random_model, dtype=dtype, backend=args.backend,
-                            int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits,
-                            tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                            quantization=args.quantization, tensor_parallel_reduce=args.tensor_parallel_reduce)
-    return jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
-                       int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
-                       draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization,
-                       tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                       quantization=args.quantization, tensor_parallel_reduce=args.tensor_parallel_reduce)
+        model = random_model(args.random_model, dtype=dtype, backend=args.backend,
+                             int8_draft_head=args.int8_draft_head, draft_head_bits=args.draft_head_bits,
+                             tensor_parallel_size=args.tensor_parallel_size,
+                             data_parallel_size=args.data_parallel_size, quantization=args.quantization,
+                             tensor_parallel_reduce=args.tensor_parallel_reduce)
+    else:
+        model = jaxmtp.load(args.model, dtype=dtype, backend=args.backend, progress=False,
+                            int8_draft_head=args.int8_draft_head, draft_vocab=args.draft_vocab,
+                            draft_head_bits=args.draft_head_bits, memory_fraction=args.gpu_memory_utilization,
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            data_parallel_size=args.data_parallel_size, quantization=args.quantization,
+                            tensor_parallel_reduce=args.tensor_parallel_reduce)
+    if args.kernel_override:
+        from jaxmtp.benchmarking import variant_model
+
+        model = variant_model(model, args.kernel_override)
+        log.info("kernel override %s: %s", args.kernel_override, model.backend)
+    return model
 
 
 async def serve(args) -> int:

@@ -314,6 +314,31 @@ def test_missing_http_dependency_is_a_one_line_error_before_loading(monkeypatch,
     assert len(errors) == 1 and "starlette" in errors[0] and "--no-http" in errors[0], errors
 
 
+def test_a_kernel_override_is_checked_before_loading_and_applied_after(monkeypatch, caplog):
+    """``--kernel-override``: a bad spec is one error line and exit 2 before any weight is read; a good one is the
+    loaded model's backend, its other fields as --backend chose them."""
+    from jaxmtp import serve
+    from jaxmtp.pallas import resolve_backend
+
+    monkeypatch.setattr("jaxmtp.compile_cache.enable_from_args", lambda args: None)
+    monkeypatch.setattr("jaxmtp.engine.memory.set_memory_fraction", lambda fraction: None)
+    monkeypatch.setattr("jaxmtp.load", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    with caplog.at_level(logging.ERROR, logger="jaxmtp.serve"):
+        assert serve.main(["--no-http", "--port", "0", "--kernel-override", "attention_mosaic_min_tokens=x"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "attention_mosaic_min_tokens takes an integer" in errors[0], errors
+    monkeypatch.undo()
+
+    args = serve.build_parser().parse_args(["--random-model", "tiny", "--kernel-override",
+                                            "attention_mosaic_min_tokens=none,recurrent_max_tokens=7"])
+    model = serve.load_model(args)
+    policy = model.backend.policy
+    assert policy.attention_mosaic_min_tokens is None and policy.recurrent_max_tokens == 7
+    plain = resolve_backend("auto", model.config, model.dtype)
+    assert model.backend.attention == plain.attention
+    assert policy.attention_max_splits == plain.policy.attention_max_splits
+
+
 # ---- item 7: API key and TLS -------------------------------------------------------------------------------------
 def _self_signed(tmp_path):
     crypto = pytest.importorskip("cryptography")  # noqa: F841

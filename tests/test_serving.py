@@ -540,6 +540,26 @@ def test_client_deadline_aborts_the_request(server, client, model):
                                                                           max_new_tokens=4).token_ids
 
 
+def test_a_call_ending_at_its_deadline_counts_as_expired_whichever_side_notices_first():
+    """The client cancels at its deadline, a moment before the server's own (which starts when the request arrives):
+    a call that ends within DEADLINE_SLACK_S of its deadline is aborted as "deadline", one that ends earlier as
+    "cancelled", one without a deadline as "cancelled" (the flake this fixes: the client's cancellation won the race
+    and the expired request counted as cancelled)."""
+    from jaxmtp.serving.server import DEADLINE_SLACK_S, GenerationServer
+
+    class Ctx:
+        def __init__(self, remaining):
+            self.remaining = remaining
+
+        def time_remaining(self):
+            return self.remaining
+
+    assert GenerationServer._why_gone(Ctx(DEADLINE_SLACK_S / 2)) == "deadline"
+    assert GenerationServer._why_gone(Ctx(-0.01)) == "deadline"
+    assert GenerationServer._why_gone(Ctx(DEADLINE_SLACK_S * 4)) == "cancelled"
+    assert GenerationServer._why_gone(Ctx(None)) == "cancelled"
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 BAD = {
     "empty text": (dict(prompt=""), "the prompt is empty"),

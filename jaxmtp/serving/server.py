@@ -55,6 +55,8 @@ MAX_REQUEST_ID = 256
 _REQUEST_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it is sent back as the x-request-id metadata value
 
 
+DEADLINE_SLACK_S = 0.25  # a call ending this close to its deadline ended by it (GenerationServer._why_gone)
+
 @dataclasses.dataclass
 class ServerConfig:
     """Server settings (``python -m jaxmtp.serve --help`` documents each as a flag).
@@ -531,8 +533,12 @@ class GenerationServer:
 
     @staticmethod
     def _why_gone(context) -> str:
+        """Why a call ended before its request finished. The server's deadline is the client's plus the request's
+        transit time, and a client whose deadline passes cancels the call at about the moment the server's own timer
+        fires: whichever the server sees first, a call that ends within :data:`DEADLINE_SLACK_S` of its deadline
+        counts as expired, not as cancelled."""
         remaining = context.time_remaining()
-        return ABORT_DEADLINE if remaining is not None and remaining <= 0 else ABORT_CANCELLED
+        return ABORT_DEADLINE if remaining is not None and remaining <= DEADLINE_SLACK_S else ABORT_CANCELLED
 
     def _deadline(self, context, arrival_loop_time: float) -> float | None:
         ends = []
