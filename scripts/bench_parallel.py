@@ -135,7 +135,7 @@ def collective_share(eng, params, jax, covered_time, is_device_stream, read_trac
     first = sorted({p for p, _ in streams})[:1]
     events = [e for (p, t), evs in groups.items() if (p, t) in streams and p in first for e in evs]
     # NCCL's kernels, and XLA's own collective kernels, which it names after the op (``psum_12_0_fusion_1``)
-    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "psum", "all-reduce", "all_reduce",
+    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "psum", "oneshot", "all-reduce", "all_reduce",
                                                                      "allreduce", "all-gather", "all_gather",
                                                                      "allgather", "reduce-scatter"))]
     total = covered_time((e["ts"], e["ts"] + e["dur"]) for e in events)

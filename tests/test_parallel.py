@@ -352,6 +352,38 @@ def test_pallas_kernels_run_inside_the_shard_map(kind, moe, rng):
     assert _run(two, prompts, 2, _params(1) * 2)[0] == _run(one, prompts, 2, _params(1) * 2)[0]
 
 
+@pytest.mark.parametrize("norm", ["xla", "triton_interpret"])
+def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values(norm, rng):
+    """Under TP a block's output product returns its ranks' float32 sum as a one-part SplitSum for the residual add +
+    norm to round: bf16, the same bits as rounding the sum first (the norm kernel's launch does the rounding)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jaxmtp.pallas import Backend, ops
+    from jaxmtp.pallas._common import SplitSum
+    from jaxmtp.pallas.collectives import TensorParallel
+
+    backend = Backend(norm=norm, parallel=TensorParallel(size=2))
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+    a = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.bfloat16)  # [rank, rows, K / 2]
+    w = jnp.asarray(rng.standard_normal((2, 64, 128)) * 0.1, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal(128) * 0.1, jnp.float32)
+
+    def rank(a, w, x, g):
+        split = ops.output_product(a[0], w[0], False, backend, partials=True)
+        whole = ops.output_product(a[0], w[0], False, backend, partials=False)
+        assert isinstance(split, SplitSum) and split.parts.shape == (1, 5, 128) and whole.dtype == jnp.bfloat16
+        return (*ops.add_rms_norm(x, split, g, 1e-6, backend), *ops.add_rms_norm(x, whole, g, 1e-6, backend))
+
+    out = jax.jit(jax.shard_map(rank, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P()), out_specs=P(),
+                                check_vma=False))(a, w, x, g)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(out[2], np.float32))
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(out[3], np.float32))
+    want = np.asarray(x, np.float32) + np.einsum("rnk,rkm->nm", np.asarray(a, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_the_per_device_weight_plan_counts_what_a_rank_holds(wide, kind):
     """``rank_weight_bytes`` (the memory plan of a model not loaded, from its config) equals the bytes of the

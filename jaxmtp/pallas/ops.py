@@ -133,7 +133,12 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
         return y
     dtype = y.dtype
     y = jnp.sum(y.parts, axis=0) if isinstance(y, SplitSum) else y.astype(jnp.float32)
-    return _collectives.reduce_sum(y, tp, dtype) if reduce else y.astype(dtype)
+    if not reduce:
+        return y.astype(dtype)
+    total = _collectives.reduce_sum(y, tp, jnp.float32)
+    # with ``partials`` the float32 sum goes on as one part: the residual add + norm rounds it to dtype in its own
+    # launch, the same values as rounding here, without a launch of its own for that rounding
+    return SplitSum(total[None], dtype) if partials else total.astype(dtype)
 
 
 def tp_sum(y, backend: Backend):
