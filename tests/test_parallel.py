@@ -354,7 +354,7 @@ def test_pallas_kernels_run_inside_the_shard_map(kind, moe, rng):
 
 @pytest.mark.parametrize("norm", ["xla", "triton_interpret"])
 def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values(norm, rng):
-    """Under TP a block's output product returns its ranks' float32 sum as a one-part SplitSum for the residual add +
+    """Under TP a block's output product returns the ranks' float32 sum as a one-part SplitSum for the residual add +
     norm to round: bf16, the same bits as rounding the sum first (the norm kernel's launch does the rounding)."""
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P

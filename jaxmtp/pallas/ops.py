@@ -127,11 +127,12 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
-    else:
-        y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
+    else:  # a rank's partial product stays float32 until the ranks' sum (no rounding, no convert launch)
+        y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend,
+                   out_dtype=jnp.float32 if tp.active else None)
     if not tp.active:
         return y
-    dtype = y.dtype
+    dtype = a.dtype
     y = jnp.sum(y.parts, axis=0) if isinstance(y, SplitSum) else y.astype(jnp.float32)
     if not reduce:
         return y.astype(dtype)
