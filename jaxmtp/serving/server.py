@@ -57,6 +57,7 @@ _REQUEST_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it is sent back as
 
 DEADLINE_SLACK_S = 0.25  # a call ending this close to its deadline ended by it (GenerationServer._why_gone)
 
+
 @dataclasses.dataclass
 class ServerConfig:
     """Server settings (``python -m jaxmtp.serve --help`` documents each as a flag).
