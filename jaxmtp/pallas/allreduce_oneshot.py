@@ -53,14 +53,15 @@ def workspace_bytes(ranks: int) -> int:
 
 
 def available() -> bool:
-    """Whether the kernel can run here: a CUDA GPU and ``jax_triton`` importable."""
+    """Whether the kernel can run here: a CUDA GPU, ``jax_triton`` and the ``triton`` compiler it drives (jax_triton
+    imports without it, then fails at the first call)."""
     if jax.default_backend() != "gpu":
         return False
     try:
-        import jax_triton  # noqa: F401  (pyflakes: availability probe)
+        from jax_triton import triton_lib
     except ImportError:
         return False
-    return True
+    return bool(getattr(triton_lib, "CAN_USE_TRITON", False))
 
 
 def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
