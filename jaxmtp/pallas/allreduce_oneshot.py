@@ -53,9 +53,11 @@ def workspace_bytes(ranks: int) -> int:
 
 
 def available() -> bool:
-    """Whether the kernel can run here: a CUDA GPU, ``jax_triton`` and the ``triton`` compiler it drives (jax_triton
-    imports without it, then fails at the first call)."""
-    if jax.default_backend() != "gpu":
+    """Whether the kernel can run here: an NVIDIA GPU, ``jax_triton`` and the ``triton`` compiler it drives
+    (jax_triton imports without it, then fails at the first call)."""
+    from jaxmtp.pallas.backend import platform
+
+    if platform() != "gpu":  # NVIDIA only: the kernel has not run on ROCm
         return False
     try:
         from jax_triton import triton_lib
