@@ -48,15 +48,17 @@ def child(args) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     ks = [int(k) for k in args.k.split(",")]
     modes = args.reduce.split(",") if tp > 1 else ["psum"]
-    variants = {m: model if model.layout is None or model.layout.collectives.reduce == m else with_reduce(model, m)
-                for m in modes}
+    variants = {m: model if model.layout is None or m in ("auto", model.layout.collectives.reduce)  # as loaded
+                else with_reduce(model, m) for m in modes}
     for b in batches:
         runs = [(m, k) for m in modes for k in ks]  # every (mode, k) engine timed in alternating rounds
         engines = [synthetic_engine(variants[m], b, k, args.context, 16, args.steps_per_sync) for m, k in runs]
         times = alternating_step_ms(engines, model.params, args.rounds, args.syncs)
         for (m, k), ts, eng in zip(runs, times, engines):
             ms = float(np.median(ts))
+            layout = variants[m].layout
             row = {"batch": b, "k": k, "reduce": m, "step_ms": ms, "rounds_ms": ts,
+                   "reduce_mode": layout.collectives.reduce if layout is not None else "psum",
                    "tokens_per_s_published_al": b * PUBLISHED_AL[k] / ms * 1e3}
             if args.profile and b == batches[0]:
                 row["collective_share"] = collective_share(eng, model.params, jax, covered_time, is_device_stream,
@@ -135,9 +137,9 @@ def collective_share(eng, params, jax, covered_time, is_device_stream, read_trac
     first = sorted({p for p, _ in streams})[:1]
     events = [e for (p, t), evs in groups.items() if (p, t) in streams and p in first for e in evs]
     # NCCL's kernels, and XLA's own collective kernels, which it names after the op (``psum_12_0_fusion_1``)
-    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "psum", "oneshot", "all-reduce", "all_reduce",
-                                                                     "allreduce", "all-gather", "all_gather",
-                                                                     "allgather", "reduce-scatter"))]
+    coll = [e for e in events if any(s in e["name"].lower() for s in ("nccl", "psum", "oneshot", "all-reduce",
+                                                                     "all_reduce", "allreduce", "all-gather",
+                                                                     "all_gather", "allgather", "reduce-scatter"))]
     total = covered_time((e["ts"], e["ts"] + e["dur"]) for e in events)
     comm = covered_time((e["ts"], e["ts"] + e["dur"]) for e in coll)
     kernels = {}  # name -> [count, total us]: what the step is made of (finds collectives named otherwise)
@@ -171,8 +173,9 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--exact-model", default="qwen3.5-0.8b",
                     help="a shape whose same weights run at TP 1 and TP N: greedy tokens compared ('' to skip)")
-    ap.add_argument("--reduce", default="psum",
-                    help="TP sum modes to time side by side in each TP > 1 process (psum, oneshot, fixed)")
+    ap.add_argument("--reduce", default="auto",
+                    help="TP sum modes to time side by side in each TP > 1 process (auto, psum, oneshot, fixed; "
+                         "auto: what jaxmtp.load picks, recorded as reduce_mode)")
     ap.add_argument("--profile", action="store_true", help="also the collectives' share of the step (profiler)")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every child (an A/B of a flag)")
     ap.add_argument("--child-timeout", type=float, default=None,
