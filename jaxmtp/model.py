@@ -3,11 +3,12 @@
     forward(params, tokens [B, T], positions [B, T], carry, *, cfg) -> (logits, hidden, new_carry)
 
 ``positions`` holds each token's absolute position, consecutive along a row (a prefill chunk, a verify window);
-``-1`` marks padding, which must sit at the end of a row (right padding). Padding tokens write nothing into any carry. ``hidden`` is the final-normed hidden state (what the LM head
-scores and what the MTP head consumes). Prefill (T = chunk), decode (T = 1) and verify (T = k + 1) are the same
-function; with ``step_states=True`` the GDN entries of the returned carry are :class:`GDNSteps` (the old state and
-the window's rule inputs), from which :func:`commit_window` commits an accepted prefix. The MTP head's forward and
-the draft head live in :mod:`jaxmtp.mtp`.
+``-1`` marks padding, which must sit at the end of a row (right padding). Padding tokens write nothing into any
+carry. ``hidden`` is the final-normed hidden state (what the LM head scores and what the MTP head consumes).
+Prefill (T = chunk), decode (T = 1) and verify (T = k + 1) are the same function; with ``step_states=True`` the
+GDN entries of the returned carry are :class:`GDNSteps` (the old state and the window's rule inputs), from which
+:func:`commit_window` commits an accepted prefix. The MTP head's forward and the draft head live in
+:mod:`jaxmtp.mtp`.
 
 Params (native layout, every projection stored ``[in, out]`` so that layers compute ``x @ W``; the serving layout
 of :mod:`jaxmtp.param_layout` fuses some projections, adds a quantised ``draft_head`` and may hold the MTP layer's

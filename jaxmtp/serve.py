@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-dp", "--data-parallel-size", type=int, default=1, metavar="M",
                    help="M replicas of the tensor-parallel group, each with an equal share of the slots "
                         "(--slots must be a multiple of M)")
+    # the modes of jaxmtp.pallas.collectives.REDUCE_MODES, spelled out: the parser imports no JAX (a fast --help)
     g.add_argument("--tensor-parallel-reduce", default="auto", choices=["auto", "psum", "oneshot", "fixed"],
                    help="how -tp ranks sum their partial products: psum (XLA's all-reduce), oneshot (a one-shot "
                         "kernel in the step's stream for decode and verify rows; CUDA with jax_triton: pip install "

@@ -339,6 +339,16 @@ def test_a_kernel_override_is_checked_before_loading_and_applied_after(monkeypat
     assert policy.attention_max_splits == plain.policy.attention_max_splits
 
 
+def test_the_servers_reduce_choices_are_the_reduction_modes():
+    """``--tensor-parallel-reduce`` spells the modes out (its parser imports no JAX): they stay those of
+    jaxmtp.pallas.collectives, plus auto."""
+    from jaxmtp import serve
+    from jaxmtp.pallas.collectives import REDUCE_MODES
+
+    action = next(a for a in serve.build_parser()._actions if a.dest == "tensor_parallel_reduce")
+    assert sorted(action.choices) == sorted(("auto", *REDUCE_MODES)) and action.default == "auto"
+
+
 # ---- item 7: API key and TLS -------------------------------------------------------------------------------------
 def _self_signed(tmp_path):
     crypto = pytest.importorskip("cryptography")  # noqa: F841

@@ -130,7 +130,8 @@ def test_chunk_tiles_match_reference(rng, tiles):
     chunk = tiles.pop("chunk_size", 32)
     (q, k, v, g, beta), s0 = make_inputs(rng, 2, 90, 2, 2, 32, 64, jnp.bfloat16, ((0, 70),))
     o, s = chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True,
-                                         chunk_size=chunk, tiles=dataclasses.replace(DEFAULT_POLICY.gdn_chunk_tiles(), **tiles),
+                                         chunk_size=chunk,
+                                         tiles=dataclasses.replace(DEFAULT_POLICY.gdn_chunk_tiles(), **tiles),
                                          interpret=True)
     o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
     assert_close(o, o_ref, TOL[jnp.bfloat16])
