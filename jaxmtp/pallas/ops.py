@@ -127,9 +127,8 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
-    else:  # a rank's partial product stays float32 until the ranks' sum (no rounding, no convert launch)
-        y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend,
-                   out_dtype=jnp.float32 if tp.active else None)
+    else:  # in the product's dtype: XLA's GEMMs with a float32 output measured slower (up to 3x for o_proj)
+        y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
     if not tp.active:
         return y
     dtype = a.dtype
