@@ -29,7 +29,7 @@ def child(args) -> dict:
     from jaxmtp import shapes
     from jaxmtp.benchmarking import (PUBLISHED_AL, alternating_step_ms, covered_time, is_device_stream,
                                      random_model, read_trace, synthetic_engine, tiny_config)
-    from jaxmtp.parallel import device_bytes, with_reduce
+    from jaxmtp.parallel import device_bytes
 
     cfg = tiny_config(args.model) if args.tiny else shapes.config(args.model)
     if args.layers:
@@ -48,8 +48,7 @@ def child(args) -> dict:
     batches = [int(b) for b in args.batch.split(",")]
     ks = [int(k) for k in args.k.split(",")]
     modes = args.reduce.split(",") if tp > 1 else ["psum"]
-    variants = {m: model if model.layout is None or m in ("auto", model.layout.collectives.reduce)  # as loaded
-                else with_reduce(model, m) for m in modes}
+    variants = {m: reduce_variant(model, m) for m in modes}
     for b in batches:
         runs = [(m, k) for m in modes for k in ks]  # every (mode, k) engine timed in alternating rounds
         engines = [synthetic_engine(variants[m], b, k, args.context, 16, args.steps_per_sync) for m, k in runs]
@@ -66,16 +65,16 @@ def child(args) -> dict:
             out["steps"].append(row)
         del engines
         print("RESULT " + json.dumps(out), flush=True)  # what is done so far (the parent keeps the last)
-    # exactness on the devices: greedy speculative == greedy plain on this model
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, 40).tolist() for _ in range(4)]
-    tokens = {k: greedy(variants[modes[0]], prompts, k) for k in (0, 3)}
-    # bf16 random weights have near-ties everywhere: report how long spec and plain agree (tokens of 48)
-    out["spec_vs_plain_agreeing_prefix"] = [common_prefix(a, b) for a, b in zip(tokens[0], tokens[3])]
-    for m in modes[1:]:  # the other modes against the first on the same weights
-        mine = {k: greedy(variants[m], prompts, k) for k in (0, 3)}
-        out[f"{m}_vs_{modes[0]}_agreeing_prefix"] = {k: [common_prefix(a, b) for a, b in zip(tokens[k], mine[k])]
-                                                     for k in (0, 3)}
+    if args.tokens:  # exactness on the devices: greedy speculative == greedy plain on this model
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, cfg.vocab_size, 40).tolist() for _ in range(4)]
+        tokens = {k: greedy(variants[modes[0]], prompts, k) for k in (0, 3)}
+        # bf16 random weights have near-ties everywhere: report how long spec and plain agree (tokens of 48)
+        out["spec_vs_plain_agreeing_prefix"] = [common_prefix(a, b) for a, b in zip(tokens[0], tokens[3])]
+        for m in modes[1:]:  # the other modes against the first on the same weights
+            mine = {k: greedy(variants[m], prompts, k) for k in (0, 3)}
+            out[f"{m}_vs_{modes[0]}_agreeing_prefix"] = {k: [common_prefix(a, b) for a, b in zip(tokens[k], mine[k])]
+                                                         for k in (0, 3)}
     del model, variants
     if tp > 1 and args.exact_model:  # the same weights at TP 1 and TP N: do the sharded tokens agree?
         from jaxmtp.loaded_model import Model, serving_params
@@ -100,6 +99,19 @@ def child(args) -> dict:
                               "spec_vs_plain_agreeing_prefix_tp": [common_prefix(a, b) for a, b in
                                                                    zip(got[tp][0], got[tp][3])]}
     return out
+
+
+def reduce_variant(model, mode: str):
+    """``model`` with its ranks' sums made in ``mode``: a reduce mode (``auto`` as loaded), optionally with kernel
+    overrides after a colon, joined by ``+`` (``oneshot:oneshot_row_programs=0+oneshot_row_num_warps=8``,
+    :func:`jaxmtp.pallas.override_backend`)."""
+    from jaxmtp.benchmarking import variant_model
+    from jaxmtp.parallel import with_reduce
+
+    reduce, _, spec = mode.partition(":")
+    if model.layout is not None and reduce not in ("auto", model.layout.collectives.reduce):
+        model = with_reduce(model, reduce)
+    return variant_model(model, spec.replace("+", ",")) if spec else model
 
 
 def greedy(model, prompts, k, n=48):
@@ -173,9 +185,12 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--exact-model", default="qwen3.5-0.8b",
                     help="a shape whose same weights run at TP 1 and TP N: greedy tokens compared ('' to skip)")
+    ap.add_argument("--no-tokens", dest="tokens", action="store_false",
+                    help="time only: skip the greedy token checks (their engines' prefill compiles take minutes at 27B)")
     ap.add_argument("--reduce", default="auto",
                     help="TP sum modes to time side by side in each TP > 1 process (auto, psum, oneshot, fixed; "
-                         "auto: what jaxmtp.load picks, recorded as reduce_mode)")
+                         "auto: what jaxmtp.load picks, recorded as reduce_mode), each optionally with kernel "
+                         "overrides after a colon joined by +: oneshot:oneshot_fused=0")
     ap.add_argument("--profile", action="store_true", help="also the collectives' share of the step (profiler)")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every child (an A/B of a flag)")
     ap.add_argument("--child-timeout", type=float, default=None,
