@@ -216,15 +216,16 @@ def test_speculative_greedy_reproduces_plain_greedy_on_the_default_model_in_fp8(
     assert all(1.0 < al < 4.0 for al in out["mean_acceptance_length"]), out
 
 
-def _two_gpus_with_jax_triton():
+def _two_gpus_with_jax_triton(monkeypatch):
     from jaxmtp.pallas import allreduce_oneshot
 
     if len(jax.devices()) < 2 or not allreduce_oneshot.available():
         pytest.skip("needs two CUDA GPUs and jax_triton")
+    monkeypatch.setattr(allreduce_oneshot, "SPIN_LIMIT", 1 << 18)  # a broken protocol: NaN in ~0.1 s, not a hang
 
 
 @pytest.mark.parametrize("numel", [5120, 4 * 5120, 128 * 5120, 3001])
-def test_oneshot_allreduce_equals_psum(numel):
+def test_oneshot_allreduce_equals_psum(numel, monkeypatch):
     """The one-shot all-reduce (jaxmtp.pallas.allreduce_oneshot) against lax.psum over every GPU of the host, 300
     calls chained in one loop (counters and both staging parities wrap many times, calls of every size share the
     workspace): bit for bit on two GPUs (a + b either way), within float32 rounding on more (the ranks summed in
@@ -233,7 +234,7 @@ def test_oneshot_allreduce_equals_psum(numel):
 
     from jaxmtp.pallas import allreduce_oneshot
 
-    _two_gpus_with_jax_triton()
+    _two_gpus_with_jax_triton(monkeypatch)
     n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
     mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
     ws, peers = allreduce_oneshot.allocate(mesh)
@@ -256,20 +257,84 @@ def test_oneshot_allreduce_equals_psum(numel):
     del ws
 
 
-def test_the_oneshot_reduce_decodes_as_psum_on_two_gpus():
+@pytest.mark.parametrize("rows,hdim,nparts,parts_dtype,dtype", [
+    (1, 5120, 1, "bfloat16", "bfloat16"), (4, 5120, 3, "float32", "bfloat16"), (128, 5120, 1, "bfloat16", "bfloat16"),
+    (5, 2048, 2, "float32", "float32")])
+def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, nparts, parts_dtype, dtype, monkeypatch):
+    """The fused one-shot reduce + residual add + norm (allreduce_oneshot.add_rms_norm) against the psum mode's two
+    steps (lax.psum of the part sums, then the add + norm kernel), 200 calls chained in one loop (each call's s is
+    the next call's residual and enters its parts), with one program per row and one per chunk: s bit for bit on two GPUs (within float32 rounding on more: the ranks summed in
+    another order); h within one unit of its last place (the square sum's order follows Triton's register layout,
+    which may differ between the two kernels)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxmtp.pallas import allreduce_oneshot
+    from jaxmtp.pallas._common import SplitSum, sum_parts
+    from jaxmtp.pallas.norms import add_rms_norm_triton
+
+    _two_gpus_with_jax_triton(monkeypatch)
+    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    ws, peers = allreduce_oneshot.allocate(mesh)
+    rng = np.random.default_rng(rows * hdim + nparts)
+    x0 = jnp.asarray(rng.standard_normal((rows, hdim)), dtype)
+    w = jnp.asarray(rng.standard_normal(hdim) * 0.1, jnp.float32)
+    noise = jax.device_put(rng.standard_normal((n * nparts, rows, hdim)).astype(np.float32),
+                           NamedSharding(mesh, P("tp")))
+
+    def fused(per_row):
+        return lambda x, parts: allreduce_oneshot.add_rms_norm(x, parts, w, 1e-6, "tp", n, peers,
+                                                               one_program_per_row=per_row)
+
+    def two_steps(x, parts):
+        total = allreduce_oneshot.reference(sum_parts(parts.astype(jnp.float32)), "tp")
+        return add_rms_norm_triton(x, SplitSum(total[None], x.dtype), w, 1e-6)
+
+    def chain(step):
+        def f(x, noise):
+            def body(i, carry):  # new values every call (a stale read would show), x kept bounded
+                x, _ = carry
+                parts = noise * jnp.cos(i * 0.7) - x.astype(jnp.float32)[None] * (0.5 / (n * nparts))
+                return step(x, parts.astype(parts_dtype))
+            return jax.lax.fori_loop(0, 200, body, (x, x))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P("tp"), check_vma=False))
+
+    want = [np.asarray(a, np.float32).reshape(n, rows, hdim) for a in chain(two_steps)(x0, noise)]
+    for per_row in (True, False):  # one program per row, one per chunk
+        got = [np.asarray(a, np.float32).reshape(n, rows, hdim) for a in chain(fused(per_row))(x0, noise)]
+        assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
+        assert all(np.array_equal(g[0], g[-1]) for g in got)  # every rank holds the same bits
+        if n == 2:
+            np.testing.assert_array_equal(got[0], want[0])
+            units = 1 if dtype == "bfloat16" else 4  # float32: the square sum in another order moves rsqrt's bits
+            ulp = np.ldexp(1.0, np.frexp(want[1])[1] - (8 if dtype == "bfloat16" else 24))  # |h| >= 2^-126
+            assert (np.abs(got[1] - want[1]) <= units * ulp).all(), np.abs(got[1] - want[1]).max()
+        else:
+            np.testing.assert_allclose(got[0], want[0], rtol=2e-2, atol=2e-2)
+            np.testing.assert_allclose(got[1], want[1], rtol=2e-2, atol=2e-2)
+    del ws
+
+
+def test_the_oneshot_reduce_decodes_as_psum_on_two_gpus(monkeypatch):
     """The shipped model at tensor_parallel_size=2 in float32: greedy tokens, plain and k = 3, with the one-shot
-    all-reduce equal those with lax.psum (two ranks: the same sums bit for bit)."""
+    all-reduce kernel, and with the fused kernel (each block's output reduced, added and normed in one launch; one
+    program per row and one per chunk), equal those with lax.psum."""
     import jaxmtp
+    from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
 
-    _two_gpus_with_jax_triton()
+    _two_gpus_with_jax_triton(monkeypatch)
     prompts = None
     out = {}
-    for reduce in ("psum", "oneshot"):
+    variants = [("psum", ""), ("oneshot", ""), ("oneshot", "oneshot_fused=1"),
+                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0")]
+    for reduce, spec in variants:
         model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=2, tensor_parallel_reduce=reduce)
+        model = variant_model(model, spec)
         prompts = prompts or [model.tokenizer.encode(p).ids for p in PROMPTS]
         for k in (0, 3):
             common = dict(num_slots=len(prompts), max_context=160, check_memory=False)
-            out[reduce, k], _ = checks.greedy_outputs(Engine(model, num_draft_tokens=k, **common), prompts, 48)
-    for k in (0, 3):
-        assert out["oneshot", k] == out["psum", k], k
+            out[reduce, spec, k], _ = checks.greedy_outputs(Engine(model, num_draft_tokens=k, **common), prompts, 48)
+    for reduce, spec in variants[1:]:
+        for k in (0, 3):
+            assert out[reduce, spec, k] == out["psum", "", k], (reduce, spec, k)

@@ -384,6 +384,39 @@ def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values
     np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def test_the_oneshot_mode_hands_each_block_output_unreduced_to_the_fused_add_norm(wide, rng, monkeypatch):
+    """In the one-shot mode with the fused kernel on (policy ``oneshot_fused``) a block's output reaches the residual
+    add + norm unreduced, and one launch reduces, adds and norms it (jaxmtp.pallas.allreduce_oneshot.add_rms_norm,
+    two per layer). The kernel needs CUDA, so here it is
+    replaced by its psum reference (it is checked against that on the GPU, tests/test_gpu_checks.py): logits and the
+    tokens of plain and speculative engines equal the psum mode's, with the norm kernel (interpreted) in both."""
+    from jaxmtp.pallas import allreduce_oneshot
+
+    calls = []
+
+    def fused(x, parts, weight, eps, axis, ranks, peers, **launch):
+        calls.append(parts.shape)
+        return allreduce_oneshot.row_reference(x, parts, weight, eps, axis)
+
+    monkeypatch.setattr(allreduce_oneshot, "add_rms_norm", fused)
+    monkeypatch.setattr(allreduce_oneshot, "allreduce", lambda y, axis, ranks, peers: allreduce_oneshot.reference(y, axis))
+    base = _load(wide("dense"), 2)
+
+    def variant(reduce):
+        tp = dataclasses.replace(base.backend.parallel, reduce=reduce)
+        policy = dataclasses.replace(base.backend.policy, oneshot_fused=True)
+        return dataclasses.replace(base, backend=dataclasses.replace(base.backend, norm="triton_interpret", parallel=tp,
+                                                                     policy=policy))
+
+    psum, oneshot = variant("psum"), variant("oneshot")
+    ids = rng.integers(0, base.config.vocab_size, (2, 7))
+    np.testing.assert_allclose(oneshot.logits(ids), psum.logits(ids), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, 2, 7, base.config.hidden_size)] * (2 * base.config.num_hidden_layers)
+    prompts = _prompts(rng, 3, base.config.vocab_size)
+    for k in (0, 3):
+        assert _run(oneshot, prompts, k, _params(3), state=False)[0] == _run(psum, prompts, k, _params(3), state=False)[0]
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_the_per_device_weight_plan_counts_what_a_rank_holds(wide, kind):
     """``rank_weight_bytes`` (the memory plan of a model not loaded, from its config) equals the bytes of the

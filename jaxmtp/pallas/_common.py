@@ -32,10 +32,40 @@ class SplitSum:
         return self.parts.shape[1:]
 
 
+@struct.dataclass
+class Unreduced:
+    """A block's output under tensor parallelism left unreduced for the one-shot kernel that reduces it, adds it to
+    the residual stream and norms it in one launch (:func:`jaxmtp.pallas.allreduce_oneshot.add_rms_norm`):
+    ``parts [P, ..., N]``, this rank's output as P split-K parts (any float dtype); its value is the sum over the
+    ranks of ``tp`` (a :class:`jaxmtp.pallas.collectives.TensorParallel`) of their part sums, rounded to ``dtype``."""
+
+    parts: jax.Array
+    dtype: Any = struct.field(pytree_node=False)
+    tp: Any = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple:
+        return self.parts.shape[1:]
+
+
+def sum_parts(parts: jax.Array) -> jax.Array:
+    """``parts [P, ...]`` summed in part order, ``((p0 + p1) + p2) + ...``: the order the kernels that take split-K
+    parts sum them in (XLA's reduce over the axis may pick another)."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
 def dense(y):
-    """The value of ``y``: a :class:`SplitSum`'s parts summed (float32) and rounded to its dtype; an array as it is."""
+    """The value of ``y``: a :class:`SplitSum`'s parts summed (float32) and rounded to its dtype; an
+    :class:`Unreduced` output summed over its ranks and rounded; an array as it is."""
     if isinstance(y, SplitSum):
-        return jnp.sum(y.parts, axis=0).astype(y.dtype)
+        return sum_parts(y.parts).astype(y.dtype)
+    if isinstance(y, Unreduced):
+        from jaxmtp.pallas.collectives import reduce_sum
+
+        return reduce_sum(sum_parts(y.parts.astype(jnp.float32)), y.tp, y.dtype)
     return y
 
 

@@ -12,15 +12,22 @@ The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1)
 * each device keeps a workspace (:func:`allocate`): per program a call counter, per (sender, program) a flag, and a
   staging area of two parities x ranks x :data:`CAPACITY` floats;
 * call ``e`` of program ``c`` (its counter + 1; every rank makes the same calls, so the counters agree) writes the
-  block into parity ``e % 2`` of each peer's staging, then (after a CTA barrier) adds 1 to the peer's flag with
+  block into parity ``e & 1`` of each peer's staging, then (after a CTA barrier) adds 1 to the peer's flag with
   release semantics at system scope; it waits until each peer's flag for it reaches ``e`` (acquire), reads the
   blocks (``.cg``: past the L1, which may hold the same addresses' values of two calls ago) and stores the sum;
-* two parities suffice: a peer can write parity ``e % 2`` again only in call ``e + 2``, which needs this rank's
+* two parities suffice: a peer can write parity ``e & 1`` again only in call ``e + 2``, which needs this rank's
   flag of call ``e + 1``, raised after this rank's call ``e`` finished reading.
 
 A program spins on its peers' flags, so every program of a call must be resident at once: at most
 :data:`MAX_PROGRAMS` (1024 programs of 4 warps; an H100 holds 2112). Larger tensors (prefill chunks) take
-``lax.psum``. The workspace's device addresses are static arguments of the kernel (``TensorParallel.peers``): the
+``lax.psum``.
+
+:func:`add_rms_norm` is the same exchange fused with the block's residual add and the next RMSNorm, so a block's
+output costs one launch under TP as on one device: program ``r`` owns row ``r`` (one row's norm needs all of it),
+sums this rank's split-K parts of the row, exchanges the row as above (its own section of the workspace: counters,
+flags and staging of its own, rows at a fixed stride of :data:`ROW_STRIDE`, so the two kernels never share a
+program's region), then forms ``s = x + round(sum)`` and ``h = rms_norm(s)`` as
+:func:`jaxmtp.pallas.norms.add_rms_norm_triton` does. The workspace's device addresses are static arguments of the kernel (``TensorParallel.peers``): the
 workspace is allocated once per layout and lives as long as it (:class:`jaxmtp.parallel.ParallelLayout`), and as
 the addresses are part of the backend, every compiled step (and the AOT store's key) belongs to one workspace.
 
@@ -42,14 +49,27 @@ MAX_PROGRAMS = 1024
 MAX_RANKS = 8
 CAPACITY = BLOCK * MAX_PROGRAMS  # float32 elements a call may reduce (rows x hidden); more take lax.psum
 NUM_WARPS = 4
-_FLAGS = 4 * MAX_PROGRAMS  # byte offsets in a workspace: counters [programs] int32, flags [ranks, programs] int32,
-_STAGING = _FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # staging [2, ranks, CAPACITY] float32
-_SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer that never comes: a bug, not a hang)
+ROW_STRIDE = 8192  # float32 elements per row in the fused kernel's staging: the widest hidden size it takes
+MAX_ROWS = 128  # rows one fused call may reduce (one program each): batch 32 x a verify window of 4
+# Byte offsets in a workspace (int32 counters and flags, float32 staging):
+_FLAGS = 4 * MAX_PROGRAMS  # after the plain kernel's counters [programs]: its flags [ranks, programs],
+_ROW_COUNTERS = _FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # the fused kernel's counters [programs],
+_ROW_FLAGS = _ROW_COUNTERS + 4 * MAX_PROGRAMS  # flags [ranks, programs],
+_ROW_SYNC = _ROW_FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # per row a call count and two arrival counters [rows, 4]
+_ROW_SQUARES = _ROW_SYNC + 16 * MAX_ROWS  # and the square sums of its programs [rows, 16] float32;
+_STAGING = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
+# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`)
+SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer that never comes: a bug, not a hang;
+# tests lower it, so that a broken protocol fails in a second instead of a minute per call)
+
+
+def _row_staging(ranks: int) -> int:
+    return _STAGING + 2 * ranks * CAPACITY * 4
 
 
 def workspace_bytes(ranks: int) -> int:
     """Device bytes of one rank's workspace."""
-    return _STAGING + 2 * ranks * CAPACITY * 4
+    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
 
 
 def available() -> bool:
@@ -89,12 +109,13 @@ def reference(y: jax.Array, axis: str) -> jax.Array:
 
 
 @functools.cache
-def _kernel():
+def _pick():
     import triton
     import triton.language as tl
 
     @triton.jit
     def pick(i, s0, s1, s2, s3, s4, s5, s6, s7):
+        """The workspace address of flat mesh index ``i`` (scalar arguments cannot be indexed)."""
         a = tl.where(i == 0, s0, s1)
         a = tl.where(i == 2, s2, a)
         a = tl.where(i == 3, s3, a)
@@ -102,6 +123,16 @@ def _kernel():
         a = tl.where(i == 5, s5, a)
         a = tl.where(i == 6, s6, a)
         return tl.where(i == 7, s7, a)
+
+    return pick
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    pick = _pick()
 
     @triton.jit
     def oneshot(x_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, out_ptr, NUMEL: tl.constexpr, N: tl.constexpr,
@@ -113,7 +144,7 @@ def _kernel():
         mine = pick(group + me, s0, s1, s2, s3, s4, s5, s6, s7)
         counter = mine.to(tl.pointer_type(tl.int32)) + c
         e = tl.load(counter, volatile=True) + 1
-        parity = e % 2
+        parity = e & 1  # (not e % 2: e wraps past 2^31 after a few days of steps, and a negative e % 2 is -1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NUMEL
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -132,10 +163,10 @@ def _kernel():
             target = tl.where(me == p, 0, e)
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
             polls = seen * 0
-            while (seen < target) & (polls < SPIN_LIMIT):
+            while ((seen - target) < 0) & (polls < SPIN_LIMIT):  # differences: right across the wrap at 2^31
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
                 polls += 1
-            late = late + (seen < target).to(tl.int32)
+            late = late + ((seen - target) < 0).to(tl.int32)
         acc = tl.zeros((BLOCK,), tl.float32)
         for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
             stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
@@ -155,14 +186,167 @@ def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...]) -> ja
     numel = y.size
     if numel > CAPACITY:
         raise ValueError(f"the one-shot all-reduce takes at most {CAPACITY} elements, not {numel}")
-    rank = jax.lax.axis_index(axis).astype(jnp.int32)
-    group = jax.lax.axis_index("dp").astype(jnp.int32) * ranks if _has_axis("dp") else jnp.int32(0)
     out = jt.triton_call(
-        y.astype(jnp.float32).reshape(-1), jnp.stack([rank, group]), *peers, kernel=_kernel(),
+        y.astype(jnp.float32).reshape(-1), _rank_and_group(axis, ranks), *peers, kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((numel,), jnp.float32), grid=(-(-numel // BLOCK),), num_warps=NUM_WARPS,
         num_stages=1, NUMEL=numel, N=ranks, CAP=CAPACITY, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, FLAGS=_FLAGS,
-        STAGING=_STAGING, SPIN_LIMIT=_SPIN_LIMIT)
+        STAGING=_STAGING, SPIN_LIMIT=SPIN_LIMIT)
     return out.reshape(y.shape)
+
+
+@functools.cache
+def _row_kernel():
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    pick = _pick()
+
+    @triton.jit
+    def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
+                             ROWS: tl.constexpr, H: tl.constexpr, C: tl.constexpr, CPP: tl.constexpr,
+                             P: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, STRIDE: tl.constexpr,
+                             MAXROWS: tl.constexpr, MAXPROGS: tl.constexpr, COUNTERS: tl.constexpr,
+                             FLAGS: tl.constexpr, ROWSYNC: tl.constexpr, SQUARES: tl.constexpr,
+                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+        PPR: tl.constexpr = H // C // CPP  # programs per row, each CPP chunks of C
+        g = tl.program_id(0)
+        r = g // PPR
+        q = g % PPR
+        me = tl.load(rank_ptr)
+        group = tl.load(rank_ptr + 1)
+        mine = pick(group + me, s0, s1, s2, s3, s4, s5, s6, s7)
+        counter = (mine + COUNTERS).to(tl.pointer_type(tl.int32)) + g
+        e = tl.load(counter, volatile=True) + 1
+        area = MAXROWS * STRIDE  # floats of one rank's rows in one parity
+        base = r * STRIDE + q * CPP * C  # this program's columns of row r, in a staging area and in the rows
+        row = r * H + q * CPP * C
+        cols = tl.arange(0, C)
+        # this rank's columns: its split-K parts summed in part order, written to every rank's staging (its own too)
+        for j in tl.static_range(CPP):
+            part = tl.load(y_ptr + row + j * C + cols).to(tl.float32)
+            for i in tl.static_range(1, P):
+                part += tl.load(y_ptr + i * ROWS * H + row + j * C + cols).to(tl.float32)
+            for p in tl.static_range(N):
+                peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
+                stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + ((e & 1) * N + me) * area + base
+                tl.store(stage + j * C + cols, part)
+        tl.debug_barrier()  # every thread's stores precede the one releasing flag write below
+        for p in tl.static_range(N):
+            peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
+            flag = (peer + FLAGS).to(tl.pointer_type(tl.int32)) + me * MAXPROGS + g
+            tl.atomic_add(flag, 1, mask=me != p, sem="release", scope="sys")
+        late = 0
+        for p in tl.static_range(N):
+            flag = (mine + FLAGS).to(tl.pointer_type(tl.int32)) + p * MAXPROGS + g
+            target = tl.where(me == p, 0, e)
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            polls = seen * 0
+            while ((seen - target) < 0) & (polls < SPIN_LIMIT):  # differences: right across the wrap at 2^31
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                polls += 1
+            late = late + ((seen - target) < 0).to(tl.int32)
+        # the ranks' values summed in rank order, rounded to x's dtype, added to x: s; the squares of s summed
+        mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
+        sq = tl.zeros((C,), tl.float32)
+        for j in tl.static_range(CPP):
+            total = tl.load(mine_stage + j * C + cols, cache_modifier=".cg")
+            for p in tl.static_range(1, N):
+                total += tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
+            x = tl.load(x_ptr + row + j * C + cols)
+            s = (x.to(tl.float32) + total.to(x.dtype).to(tl.float32)).to(x.dtype)
+            s = tl.where(late == 0, s, float("nan")).to(x.dtype)
+            tl.store(s_ptr + row + j * C + cols, s)
+            s32 = s.to(tl.float32)
+            sq += s32 * s32
+        squares = tl.sum(sq, 0)
+        if PPR > 1:  # the row's programs hand each other their square sums: each adds them in program order
+            mine_sq = (mine + SQUARES).to(tl.pointer_type(tl.float32)) + r * 16
+            tl.store(mine_sq + q, squares)
+            tl.debug_barrier()
+            # a two-phase barrier of the row's programs: call n of row r (n counted per row, so the same in all of
+            # them, unlike their own counters where the workspace also ran one program per row) adds to arrival
+            # counter n & 1 and waits for PPR there; program 0 zeroes the other one, which call n - 1 used (done)
+            # and call n + 1 will (not begun): no counter grows, and none wraps
+            rs = (mine + ROWSYNC).to(tl.pointer_type(tl.int32)) + r * 4  # [calls, arrivals 0, arrivals 1, -]
+            n = tl.load(rs, volatile=True)
+            tl.store(rs + 1 + (1 - (n & 1)), 0, mask=q == 0)
+            arrivals = rs + 1 + (n & 1)
+            seen = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") + 1
+            polls = seen * 0
+            while (seen < PPR) & (polls < SPIN_LIMIT):
+                seen = tl.atomic_add(arrivals, 0, sem="acquire", scope="gpu")
+                polls += 1
+            tl.store(rs, n + 1, mask=q == 0)  # every program of the row read n before it arrived
+            squares = tl.load(mine_sq, cache_modifier=".cg")
+            for i in tl.static_range(1, PPR):
+                squares += tl.load(mine_sq + i, cache_modifier=".cg")
+            squares = tl.where(seen < PPR, float("nan"), squares)  # a row's program that never came: NaN rows
+        inv = libdevice.rsqrt(squares / H + EPS)
+        tl.debug_barrier()  # s as stored, read back below by whichever thread holds its columns now
+        for j in tl.static_range(CPP):
+            s = tl.load(s_ptr + row + j * C + cols)
+            w = tl.load(w_ptr + q * CPP * C + j * C + cols).to(tl.float32)
+            tl.store(h_ptr + row + j * C + cols, (s.to(tl.float32) * inv * (1.0 + w)).to(s.dtype))
+        tl.store(counter, e)
+
+    return oneshot_add_rms_norm
+
+
+def row_fusion_applies(rows: int, hdim: int, ranks: int) -> bool:
+    """Whether :func:`add_rms_norm` takes ``rows`` rows of ``hdim`` over ``ranks`` ranks."""
+    from jaxmtp.pallas.norms import supports
+
+    return 0 < rows <= MAX_ROWS and hdim <= ROW_STRIDE and supports(hdim) and 1 < ranks <= MAX_RANKS
+
+
+def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str, ranks: int,
+                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The block's output reduced over the ranks and added to the residual stream, normed, in one launch:
+    ``(s, h)`` [..., H] in x's dtype with ``s = x + round(sum over ranks of (sum over i of parts[i]))`` and ``h =
+    rms_norm(s, weight, eps)`` (:func:`row_reference`). x [..., H]; ``parts`` [P, ..., H] (any float dtype): this
+    rank's partial output, split along K in P parts (P = 1: the product's output); ``weight`` [H] (the norm's
+    offset, scale ``1 + w``). Inside the step's ``shard_map``, for shapes :func:`row_fusion_applies` takes.
+    ``num_warps`` per program; a program per row, or one per chunk of a row (the row length's largest power-of-two
+    divisor up to 4096: :func:`jaxmtp.pallas.norms.add_rms_norm_triton.chunk_size`), which hand each other their
+    square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging
+    region depends on it."""
+    import jax_triton as jt
+    from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
+
+    hdim = x.shape[-1]
+    rows = x.size // hdim
+    if parts.shape[1:] != x.shape or weight.shape != (hdim,) or not row_fusion_applies(rows, hdim, ranks):
+        raise ValueError(f"the fused one-shot add + norm does not take x {x.shape}, parts {parts.shape}, weight "
+                         f"{weight.shape} over {ranks} ranks")
+    chunk = chunk_size(hdim)
+    ppr = 1 if one_program_per_row else hdim // chunk
+    row = jax.ShapeDtypeStruct((rows, hdim), x.dtype)
+    s, h = jt.triton_call(
+        parts.reshape(parts.shape[0], rows, hdim), x.reshape(rows, hdim), weight, _rank_and_group(axis, ranks),
+        *peers, kernel=_row_kernel(), out_shape=[row, row], grid=(rows * ppr,), num_warps=num_warps,
+        num_stages=1, ROWS=rows, H=hdim, C=chunk, CPP=hdim // chunk // ppr, P=parts.shape[0], N=ranks,
+        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=_ROW_COUNTERS,
+        FLAGS=_ROW_FLAGS, ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=_row_staging(ranks), SPIN_LIMIT=SPIN_LIMIT)
+    return s.reshape(x.shape), h.reshape(x.shape)
+
+
+def row_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str):
+    """What :func:`add_rms_norm` computes, from ``lax.psum`` and the add + norm reference."""
+    from jaxmtp.pallas._common import sum_parts
+    from jaxmtp.pallas.norms import add_rms_norm_reference
+
+    total = reference(sum_parts(parts.astype(jnp.float32)), axis)
+    return add_rms_norm_reference(x, total.astype(x.dtype), weight, eps)
+
+
+def _rank_and_group(axis: str, ranks: int) -> jax.Array:
+    """int32 [2]: this device's rank on ``axis`` and the flat mesh index of its group's rank 0 (a ``dp`` axis, if
+    the mesh has one, holds several groups)."""
+    rank = jax.lax.axis_index(axis).astype(jnp.int32)
+    group = jax.lax.axis_index("dp").astype(jnp.int32) * ranks if _has_axis("dp") else jnp.int32(0)
+    return jnp.stack([rank, group])
 
 
 def _has_axis(name: str) -> bool:
@@ -173,5 +357,5 @@ def _has_axis(name: str) -> bool:
     return True
 
 
-__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "allocate", "allreduce", "available", "reference",
-           "workspace_bytes"]
+__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "ROW_STRIDE", "SPIN_LIMIT", "add_rms_norm",
+           "allocate", "allreduce", "available", "reference", "row_fusion_applies", "row_reference", "workspace_bytes"]

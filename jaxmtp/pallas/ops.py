@@ -32,7 +32,7 @@ from jaxmtp.pallas import gated_delta_rule as _gdr
 from jaxmtp.pallas import matmul as _matmul
 from jaxmtp.pallas import moe as _moe
 from jaxmtp.pallas import norms as _norms
-from jaxmtp.pallas._common import SplitSum, dense
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, Unreduced, dense, sum_parts
 from jaxmtp.pallas.backend import Backend
 from jaxmtp.pallas.gated_delta_rule.mixer_reference import gdn_mixer_reference
 from jaxmtp.pallas.matmul.reference import argmax_from_partials, swiglu_reference
@@ -80,7 +80,15 @@ def rms_norm(x, weight, eps: float, backend: Backend):
 
 
 def add_rms_norm(x, y, weight, eps: float, backend: Backend):
-    """``(s, h) = (x + y, rms_norm(x + y))`` [..., H] (y may be a :class:`SplitSum`: the kernel sums its parts)."""
+    """``(s, h) = (x + y, rms_norm(x + y))`` [..., H] (y may be a :class:`SplitSum`: the kernel sums its parts; or
+    an :class:`Unreduced` output, which the one-shot kernel reduces over the ranks in the same launch)."""
+    if isinstance(y, Unreduced):
+        from jaxmtp.pallas import allreduce_oneshot
+
+        tp, policy = y.tp, backend.policy
+        return allreduce_oneshot.add_rms_norm(x, y.parts, weight, eps, tp.axis, tp.size, tp.peers,
+                                              num_warps=policy.oneshot_row_num_warps,
+                                              one_program_per_row=policy.oneshot_row_programs == 1)
     return _norms.add_rms_norm(x, y, weight, eps, implementation=backend.norm)
 
 
@@ -132,13 +140,26 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if not tp.active:
         return y
     dtype = a.dtype
-    y = jnp.sum(y.parts, axis=0) if isinstance(y, SplitSum) else y.astype(jnp.float32)
+    if partials and _fused_reduce_applies(y, tp, backend):
+        return Unreduced(y.parts if isinstance(y, SplitSum) else y[None], dtype, tp)
+    y = sum_parts(y.parts) if isinstance(y, SplitSum) else y.astype(jnp.float32)
     if not reduce:
         return y.astype(dtype)
     total = _collectives.reduce_sum(y, tp, jnp.float32)
     # with ``partials`` the float32 sum goes on as one part: the residual add + norm rounds it to dtype in its own
     # launch, the same values as rounding here, without a launch of its own for that rounding
     return SplitSum(total[None], dtype) if partials else total.astype(dtype)
+
+
+def _fused_reduce_applies(y, tp, backend: Backend) -> bool:
+    """Whether a block's output ``y`` (this rank's partial, [..., H] or a :class:`SplitSum`) goes unreduced to the
+    one-shot kernel that also adds and norms it: the one-shot mode with the Triton norm kernel (interpreted: the CPU
+    tests, with the one-shot kernels replaced by their references), rows and width it takes."""
+    if tp.reduce != "oneshot" or not backend.policy.oneshot_fused or backend.norm not in (TRITON, TRITON_INTERPRET):
+        return False
+    from jaxmtp.pallas import allreduce_oneshot
+
+    return allreduce_oneshot.row_fusion_applies(_rows(y), y.shape[-1], tp.size)
 
 
 def tp_sum(y, backend: Backend):
@@ -305,7 +326,8 @@ def head_choice(hidden, q, scale, backend: Backend, quantized=None) -> Choice:
 def add_norm_head_argmax(x, y, norm_weight, eps: float, q, scale, backend: Backend):
     """``h = rms_norm(x + y)`` [B, 1, H] and a quantised head's argmax over h's rows (:func:`head_choice`): where the
     int4 argmax kernel runs, the norm kernel hands it the rows already quantised."""
-    if _matmul.argmax_partials_apply(_rows(x), x.shape[-1], q, backend.draft_head, backend.policy):
+    if (not isinstance(y, Unreduced)
+            and _matmul.argmax_partials_apply(_rows(x), x.shape[-1], q, backend.draft_head, backend.policy)):
         _, h, quantized = _norms.add_rms_norm_quantized(x, y, norm_weight, eps, implementation=backend.norm)
         return h, head_choice(h[:, 0], q, scale, backend, quantized)
     _, h = add_rms_norm(x, y, norm_weight, eps, backend)

@@ -72,6 +72,14 @@ class KernelPolicy:
     output_split_max_rows: int = 4  # rows on the split-K kernel whose partials the add + norm kernel sums
     output_split_max_splits: int = 4  # at most this many splits there
 
+    # tensor parallelism's one-shot mode (jaxmtp.pallas.allreduce_oneshot): a block's output reduced over the ranks,
+    # added to the residual stream and normed in one launch (else the all-reduce kernel, then the add + norm kernel:
+    # faster as measured, docs/performance.md); the fused kernel's programs per row (1, or 0: one per chunk of the
+    # row) and warps per program
+    oneshot_fused: bool = False
+    oneshot_row_programs: int = 1
+    oneshot_row_num_warps: int = 4
+
     # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
     attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
     attention_prefill_block_rows: int = 64  # prefill tiles: query rows, kv rows, warps, stages

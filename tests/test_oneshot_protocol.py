@@ -1,0 +1,131 @@
+"""The one-shot kernels' protocol (jaxmtp.pallas.allreduce_oneshot) on the CPU, across the wrap of its call counters.
+
+The kernels store into their peers' memory through raw addresses, so neither Pallas's interpreter nor a single
+process can run them. Here Triton's own interpreter runs each rank's kernel in a process of its own over workspaces
+in shared memory (each process passes its own mappings' addresses as the peers'), so the ranks poll each other's
+flags concurrently as GPUs do. The workspaces start as if 2^31 - 2 calls had been made: the calls cross the int32
+wrap of the counters, where a parity taken as ``e % 2`` or a flag compared with ``<`` (not by difference) reads a
+peer's stale block. The fused kernel runs one program per row (its one-program-per-chunk mode needs the programs of
+a row resident together, which the interpreter's one-at-a-time programs are not). Needs the ``triton`` package,
+which is not a dependency: skipped without it. On a GPU the kernels are checked against ``lax.psum``
+(tests/test_gpu_checks.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+# not imported here: each rank's process sets TRITON_INTERPRET before its first import of triton
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+
+START = 2**31 - 2  # calls already made: the next calls' counters are 2^31 - 1, then -2^31, ...
+
+
+def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
+    """One rank's process: ``calls`` launches of ``kind`` ("plain" or "row") in Triton's interpreter."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton.language as tl
+
+    from jaxmtp.pallas import allreduce_oneshot as a
+
+    kernel = a._kernel() if kind == "plain" else a._row_kernel()
+    # the interpreter resolves names in the kernel's globals (not its closure) and has no libdevice: tl's rsqrt
+    kernel.fn.__globals__.update(pick=a._pick(), tl=tl, libdevice=tl)
+    shms = [shared_memory.SharedMemory(name=nm) for nm in names]
+    views = [torch.frombuffer(s.buf, dtype=torch.int32) for s in shms]
+    peers = [v.data_ptr() for v in views] + [0] * (a.MAX_RANKS - n)
+    out_shm = shared_memory.SharedMemory(name=out_name)
+    out = np.ndarray((n, calls, 2, *shape), np.float32, buffer=out_shm.buf)
+    rank = torch.tensor([me, 0], dtype=torch.int32)
+    for c in range(calls):
+        if kind == "plain":
+            y = torch.empty(shape)
+            kernel[(-(-int(np.prod(shape)) // a.BLOCK),)](torch.tensor(inputs[c][me]), rank, *peers, y, **launch)
+            out[me, c, 0] = y.numpy()
+        else:
+            x, w, parts = inputs[c]
+            s, h = torch.empty(shape), torch.empty(shape)
+            kernel[(shape[0],)](torch.tensor(parts[me]), torch.tensor(x), torch.tensor(w), rank, *peers, s, h,
+                                **launch)
+            out[me, c, 0], out[me, c, 1] = s.numpy(), h.numpy()
+    del views, out
+    for s in (*shms, out_shm):
+        s.close()
+
+
+def _run(kind, n, inputs, shape, calls, launch, counters, flags):
+    """Every rank's process at once; returns their outputs [ranks, calls, 2, *shape]."""
+    from jaxmtp.pallas import allreduce_oneshot as a
+
+    shms = [shared_memory.SharedMemory(create=True, size=a.workspace_bytes(n)) for _ in range(n)]
+    out = shared_memory.SharedMemory(create=True, size=n * calls * 2 * int(np.prod(shape)) * 4)
+    try:
+        for s in shms:
+            words = np.ndarray((a.workspace_bytes(n) // 4,), np.int32, buffer=s.buf)
+            words[:] = 0
+            words[counters // 4: counters // 4 + a.MAX_PROGRAMS] = START
+            words[flags // 4: flags // 4 + a.MAX_RANKS * a.MAX_PROGRAMS] = START  # every peer's START calls
+            del words
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(me, kind, n, [s.name for s in shms], out.name, inputs, shape, calls,
+                                                 launch)) for me in range(n)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return np.ndarray((n, calls, 2, *shape), np.float32, buffer=out.buf).copy()
+    finally:
+        for s in (*shms, out):
+            s.close()
+            s.unlink()
+
+
+def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap():
+    """Three ranks, 3001 floats (a partial last block), four calls from 2^31 - 1 on: every rank gets the float32
+    sum in rank order, bit for bit, every call."""
+    from jaxmtp.pallas import allreduce_oneshot as a
+
+    n, calls, numel = 3, 4, 3001
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((n, numel)).astype(np.float32) for _ in range(calls)]
+    launch = dict(NUMEL=numel, N=n, CAP=a.CAPACITY, BLOCK=a.BLOCK, PROGRAMS=a.MAX_PROGRAMS, FLAGS=a._FLAGS,
+                  STAGING=a._STAGING, SPIN_LIMIT=1 << 16, num_warps=4)
+    got = _run("plain", n, inputs, (numel,), calls, launch, 0, a._FLAGS)
+    for c in range(calls):
+        want = (inputs[c][0] + inputs[c][1]) + inputs[c][2]
+        for me in range(n):
+            np.testing.assert_array_equal(got[me, c, 0], want, err_msg=f"rank {me}, call {c}")
+
+
+def test_the_fused_add_norm_across_the_counter_wrap():
+    """Two ranks, two rows of 2048 from two float32 parts each, one program per row, four calls from 2^31 - 1 on:
+    s = x + the ranks' sum of their part sums, bit for bit, and h = rms_norm(s) against float64."""
+    from jaxmtp.pallas import allreduce_oneshot as a
+
+    n, calls, rows, hdim, nparts = 2, 4, 2, 2048, 2
+    rng = np.random.default_rng(1)
+    inputs = [(rng.standard_normal((rows, hdim)).astype(np.float32),
+               (rng.standard_normal(hdim) * 0.1).astype(np.float32),
+               rng.standard_normal((n, nparts, rows, hdim)).astype(np.float32)) for _ in range(calls)]
+    launch = dict(ROWS=rows, H=hdim, C=hdim, CPP=1, P=nparts, N=n, EPS=1e-6, STRIDE=a.ROW_STRIDE,
+                  MAXROWS=a.MAX_ROWS, MAXPROGS=a.MAX_PROGRAMS, COUNTERS=a._ROW_COUNTERS, FLAGS=a._ROW_FLAGS,
+                  ROWSYNC=a._ROW_SYNC, SQUARES=a._ROW_SQUARES, STAGING=a._row_staging(n), SPIN_LIMIT=1 << 16,
+                  num_warps=4)
+    got = _run("row", n, inputs, (rows, hdim), calls, launch, a._ROW_COUNTERS, a._ROW_FLAGS)
+    for c in range(calls):
+        x, w, parts = inputs[c]
+        s = x + ((parts[0, 0] + parts[0, 1]) + (parts[1, 0] + parts[1, 1]))
+        s64 = s.astype(np.float64)
+        h = s64 / np.sqrt(np.mean(s64 * s64, axis=-1, keepdims=True) + 1e-6) * (1.0 + w)
+        for me in range(n):
+            np.testing.assert_array_equal(got[me, c, 0], s, err_msg=f"rank {me}, call {c}")
+            np.testing.assert_allclose(got[me, c, 1], h, rtol=1e-5, atol=1e-6, err_msg=f"rank {me}, call {c}")
