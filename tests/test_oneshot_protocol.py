@@ -38,7 +38,7 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
 
     kernel = a._kernel() if kind == "plain" else a._row_kernel()
     # the interpreter resolves names in the kernel's globals (not its closure) and has no libdevice: tl's rsqrt
-    kernel.fn.__globals__.update(pick=a._pick(), tl=tl, libdevice=tl)
+    kernel.fn.__globals__.update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), tl=tl, libdevice=tl)
     shms = [shared_memory.SharedMemory(name=nm) for nm in names]
     views = [torch.frombuffer(s.buf, dtype=torch.int32) for s in shms]
     peers = [v.data_ptr() for v in views] + [0] * (a.MAX_RANKS - n)

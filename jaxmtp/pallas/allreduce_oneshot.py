@@ -128,11 +128,43 @@ def _pick():
 
 
 @functools.cache
-def _kernel():
+def _signal_and_wait():
     import triton
     import triton.language as tl
 
     pick = _pick()
+
+    @triton.jit
+    def signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N: tl.constexpr,
+                        PROGRAMS: tl.constexpr, FLAGS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+        """Call ``e`` of program ``c``, its stores to the peers made: raise its flag in each peer's workspace, wait
+        for each peer's in its own (``mine``). Returns how many peers never came (SPIN_LIMIT polls)."""
+        tl.debug_barrier()  # every thread's stores precede the one releasing flag write below
+        for p in tl.static_range(N):
+            peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
+            flag = (peer + FLAGS).to(tl.pointer_type(tl.int32)) + me * PROGRAMS + c
+            tl.atomic_add(flag, 1, mask=me != p, sem="release", scope="sys")
+        late = 0
+        for p in tl.static_range(N):
+            flag = (mine + FLAGS).to(tl.pointer_type(tl.int32)) + p * PROGRAMS + c
+            target = tl.where(me == p, 0, e)
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            polls = seen * 0
+            while ((seen - target) < 0) & (polls < SPIN_LIMIT):  # differences: right across the wrap at 2^31
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                polls += 1
+            late = late + ((seen - target) < 0).to(tl.int32)
+        return late
+
+    return signal_and_wait
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    pick, signal_and_wait = _pick(), _signal_and_wait()
 
     @triton.jit
     def oneshot(x_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, out_ptr, NUMEL: tl.constexpr, N: tl.constexpr,
@@ -152,21 +184,7 @@ def _kernel():
             peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
             stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + me) * CAP
             tl.store(stage + offs, x, mask=mask & (me != p))
-        tl.debug_barrier()  # every thread's stores precede the one releasing flag write below
-        for p in tl.static_range(N):
-            peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
-            flag = (peer + FLAGS).to(tl.pointer_type(tl.int32)) + me * PROGRAMS + c
-            tl.atomic_add(flag, 1, mask=me != p, sem="release", scope="sys")
-        late = 0
-        for p in tl.static_range(N):
-            flag = (mine + FLAGS).to(tl.pointer_type(tl.int32)) + p * PROGRAMS + c
-            target = tl.where(me == p, 0, e)
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            polls = seen * 0
-            while ((seen - target) < 0) & (polls < SPIN_LIMIT):  # differences: right across the wrap at 2^31
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                polls += 1
-            late = late + ((seen - target) < 0).to(tl.int32)
+        late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS, SPIN_LIMIT)
         acc = tl.zeros((BLOCK,), tl.float32)
         for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
             stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
@@ -200,7 +218,7 @@ def _row_kernel():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    pick = _pick()
+    pick, signal_and_wait = _pick(), _signal_and_wait()
 
     @triton.jit
     def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
@@ -231,21 +249,7 @@ def _row_kernel():
                 peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
                 stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + ((e & 1) * N + me) * area + base
                 tl.store(stage + j * C + cols, part)
-        tl.debug_barrier()  # every thread's stores precede the one releasing flag write below
-        for p in tl.static_range(N):
-            peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
-            flag = (peer + FLAGS).to(tl.pointer_type(tl.int32)) + me * MAXPROGS + g
-            tl.atomic_add(flag, 1, mask=me != p, sem="release", scope="sys")
-        late = 0
-        for p in tl.static_range(N):
-            flag = (mine + FLAGS).to(tl.pointer_type(tl.int32)) + p * MAXPROGS + g
-            target = tl.where(me == p, 0, e)
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            polls = seen * 0
-            while ((seen - target) < 0) & (polls < SPIN_LIMIT):  # differences: right across the wrap at 2^31
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                polls += 1
-            late = late + ((seen - target) < 0).to(tl.int32)
+        late = signal_and_wait(me, group, mine, g, e, s0, s1, s2, s3, s4, s5, s6, s7, N, MAXPROGS, FLAGS, SPIN_LIMIT)
         # the ranks' values summed in rank order, rounded to x's dtype, added to x: s; the squares of s summed
         mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
         sq = tl.zeros((C,), tl.float32)
