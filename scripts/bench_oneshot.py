@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--spin-limit", type=int, default=None,
-                    help="polls before a kernel gives up on a peer and writes NaN (lower: a broken protocol shows fast)")
+                    help="polls before a kernel gives up on a peer and writes NaN (lower: a broken protocol shows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.spin_limit:

@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--exact-model", default="qwen3.5-0.8b",
                     help="a shape whose same weights run at TP 1 and TP N: greedy tokens compared ('' to skip)")
     ap.add_argument("--no-tokens", dest="tokens", action="store_false",
-                    help="time only: skip the greedy token checks (their engines' prefill compiles take minutes at 27B)")
+                    help="time only: skip the greedy token checks (their prefill compiles take minutes at 27B)")
     ap.add_argument("--reduce", default="auto",
                     help="TP sum modes to time side by side in each TP > 1 process (auto, psum, oneshot, fixed; "
                          "auto: what jaxmtp.load picks, recorded as reduce_mode), each optionally with kernel "

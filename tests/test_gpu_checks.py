@@ -263,9 +263,10 @@ def test_oneshot_allreduce_equals_psum(numel, monkeypatch):
 def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, nparts, parts_dtype, dtype, monkeypatch):
     """The fused one-shot reduce + residual add + norm (allreduce_oneshot.add_rms_norm) against the psum mode's two
     steps (lax.psum of the part sums, then the add + norm kernel), 200 calls chained in one loop (each call's s is
-    the next call's residual and enters its parts), with one program per row and one per chunk: s bit for bit on two GPUs (within float32 rounding on more: the ranks summed in
-    another order); h within one unit of its last place (the square sum's order follows Triton's register layout,
-    which may differ between the two kernels)."""
+    the next call's residual and enters its parts), with one program per row and one per chunk: s bit for bit on
+    two GPUs (within float32 rounding on more: the ranks summed in another order); h within one unit of its last
+    place in bf16, four in float32 (the square sum's order follows Triton's register layout, which may differ
+    between the two kernels)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxmtp.pallas import allreduce_oneshot

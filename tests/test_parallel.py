@@ -399,7 +399,8 @@ def test_the_oneshot_mode_hands_each_block_output_unreduced_to_the_fused_add_nor
         return allreduce_oneshot.row_reference(x, parts, weight, eps, axis)
 
     monkeypatch.setattr(allreduce_oneshot, "add_rms_norm", fused)
-    monkeypatch.setattr(allreduce_oneshot, "allreduce", lambda y, axis, ranks, peers: allreduce_oneshot.reference(y, axis))
+    monkeypatch.setattr(allreduce_oneshot, "allreduce",
+                        lambda y, axis, ranks, peers: allreduce_oneshot.reference(y, axis))
     base = _load(wide("dense"), 2)
 
     def variant(reduce):
@@ -414,7 +415,8 @@ def test_the_oneshot_mode_hands_each_block_output_unreduced_to_the_fused_add_nor
     assert calls == [(1, 2, 7, base.config.hidden_size)] * (2 * base.config.num_hidden_layers)
     prompts = _prompts(rng, 3, base.config.vocab_size)
     for k in (0, 3):
-        assert _run(oneshot, prompts, k, _params(3), state=False)[0] == _run(psum, prompts, k, _params(3), state=False)[0]
+        tokens = [_run(m, prompts, k, _params(3), state=False)[0] for m in (oneshot, psum)]
+        assert tokens[0] == tokens[1], k
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -20,20 +20,23 @@ The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1)
 
 A program spins on its peers' flags, so every program of a call must be resident at once: at most
 :data:`MAX_PROGRAMS` (1024 programs of 4 warps; an H100 holds 2112). Larger tensors (prefill chunks) take
-``lax.psum``.
+``lax.psum``. The counters are int32 and wrap after 2^31 calls (days of serving), so parities are ``e & 1`` and
+flags are compared with their targets by difference. The workspace's device addresses are static arguments of the
+kernel (``TensorParallel.peers``): the workspace is allocated once per layout and lives as long as it
+(:class:`jaxmtp.parallel.ParallelLayout`), and as the addresses are part of the backend, every compiled step (and
+the AOT store's key) belongs to one workspace.
 
-:func:`add_rms_norm` is the same exchange fused with the block's residual add and the next RMSNorm, so a block's
-output costs one launch under TP as on one device: program ``r`` owns row ``r`` (one row's norm needs all of it),
-sums this rank's split-K parts of the row, exchanges the row as above (its own section of the workspace: counters,
-flags and staging of its own, rows at a fixed stride of :data:`ROW_STRIDE`, so the two kernels never share a
-program's region), then forms ``s = x + round(sum)`` and ``h = rms_norm(s)`` as
-:func:`jaxmtp.pallas.norms.add_rms_norm_triton` does. The workspace's device addresses are static arguments of the kernel (``TensorParallel.peers``): the
-workspace is allocated once per layout and lives as long as it (:class:`jaxmtp.parallel.ParallelLayout`), and as
-the addresses are part of the backend, every compiled step (and the AOT store's key) belongs to one workspace.
+:func:`add_rms_norm` is the same exchange fused with the block's residual add and the next RMSNorm: a block's
+output, as this rank's split-K parts, reduced over the ranks, added to the residual stream and normed in one launch
+(the kernel policy's ``oneshot_fused``, off: measured no faster). Its programs own a row each, or a chunk of a row
+each, whose programs then meet at a per-row barrier to share their square sums; it has a section of the workspace
+of its own (counters, flags, and staging with rows at a fixed stride of :data:`ROW_STRIDE`), so the two kernels
+never share a program's region. It forms ``s = x + round(sum)`` and ``h = rms_norm(s)`` as
+:func:`jaxmtp.pallas.norms.add_rms_norm_triton` does.
 
-Needs ``jax_triton`` (the ``gpu`` extra) and a CUDA GPU; :func:`available` says whether both are present. The
-kernel cannot run on a CPU (no interpreter for raw pointers): it is checked on the GPU against ``lax.psum``
-(tests/test_gpu_checks.py) and its reference's use is tested on the CPU through the psum mode.
+Needs ``jax_triton`` (the ``gpu`` extra) and a CUDA GPU; :func:`available` says whether both are present. On the
+GPU both kernels are checked against ``lax.psum`` (tests/test_gpu_checks.py); on the CPU their protocol runs in
+Triton's interpreter with a process per rank (tests/test_oneshot_protocol.py).
 """
 
 from __future__ import annotations
