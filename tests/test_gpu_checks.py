@@ -257,6 +257,40 @@ def test_oneshot_allreduce_equals_psum(numel, monkeypatch):
     del ws
 
 
+@pytest.mark.parametrize("numel,nparts,dtype", [(5120, 1, "bfloat16"), (4 * 5120, 3, "float32"), (3001, 2, "bfloat16")])
+def test_oneshot_allreduce_of_split_k_parts_equals_psum(numel, nparts, dtype, monkeypatch):
+    """The all-reduce kernel given a rank's value as split-K parts in their own dtype (``parts=True``, the policy's
+    ``oneshot_parts``: summed and widened inside) against their part-order sum's psum, 300 calls chained in one
+    loop: bit for bit on two GPUs, within float32 rounding on more."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxmtp.pallas import allreduce_oneshot
+
+    _two_gpus_with_jax_triton(monkeypatch)
+    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    ws, peers = allreduce_oneshot.allocate(mesh)
+    noise = jax.device_put(np.random.default_rng(numel).standard_normal((n * nparts, numel)).astype(np.float32),
+                           NamedSharding(mesh, P("tp")))
+
+    def chain(reduce):
+        def f(x):
+            def body(i, y):  # new values every call, y kept bounded
+                return reduce((x * jnp.cos(i * 0.7) + y[None] * (0.5 / (n * nparts))).astype(dtype))
+            return jax.lax.fori_loop(0, 300, body, jnp.zeros((numel,), jnp.float32))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+
+    got = np.asarray(chain(lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True))(noise))
+    want = np.asarray(chain(lambda p: allreduce_oneshot.reference(p, "tp", parts=True))(noise))
+    got, want = got.reshape(n, numel), want.reshape(n, numel)
+    assert np.isfinite(got).all() and np.array_equal(got[0], got[-1])
+    if n == 2:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    del ws
+
+
 @pytest.mark.parametrize("rows,hdim,nparts,parts_dtype,dtype", [
     (1, 5120, 1, "bfloat16", "bfloat16"), (4, 5120, 3, "float32", "bfloat16"), (128, 5120, 1, "bfloat16", "bfloat16"),
     (5, 2048, 2, "float32", "float32")])
@@ -318,8 +352,9 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
 
 def test_the_oneshot_reduce_decodes_as_psum_on_two_gpus(monkeypatch):
     """The shipped model at tensor_parallel_size=2 in float32: greedy tokens, plain and k = 3, with the one-shot
-    all-reduce kernel, and with the fused kernel (each block's output reduced, added and normed in one launch; one
-    program per row and one per chunk), equal those with lax.psum."""
+    all-reduce kernel (given the products' outputs summed and widened, or as they are), and with the fused kernel
+    (each block's output reduced, added and normed in one launch; one program per row and one per chunk), equal
+    those with lax.psum."""
     import jaxmtp
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -327,7 +362,7 @@ def test_the_oneshot_reduce_decodes_as_psum_on_two_gpus(monkeypatch):
     _two_gpus_with_jax_triton(monkeypatch)
     prompts = None
     out = {}
-    variants = [("psum", ""), ("oneshot", ""), ("oneshot", "oneshot_fused=1"),
+    variants = [("psum", ""), ("oneshot", ""), ("oneshot", "oneshot_parts=1"), ("oneshot", "oneshot_fused=1"),
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=0")]
     for reduce, spec in variants:
         model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=2, tensor_parallel_reduce=reduce)

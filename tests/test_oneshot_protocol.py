@@ -89,19 +89,21 @@ def _run(kind, n, inputs, shape, calls, launch, counters, flags):
             s.unlink()
 
 
-def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap():
-    """Three ranks, 3001 floats (a partial last block), four calls from 2^31 - 1 on: every rank gets the float32
-    sum in rank order, bit for bit, every call."""
+@pytest.mark.parametrize("nparts", [1, 2])
+def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap(nparts):
+    """Three ranks, 3001 floats (a partial last block), each rank's value as ``nparts`` split-K parts, four calls from
+    2^31 - 1 on: every rank gets the float32 sum in rank order of the ranks' part sums, bit for bit, every call."""
     from jaxmtp.pallas import allreduce_oneshot as a
 
     n, calls, numel = 3, 4, 3001
-    rng = np.random.default_rng(0)
-    inputs = [rng.standard_normal((n, numel)).astype(np.float32) for _ in range(calls)]
+    rng = np.random.default_rng(nparts)
+    inputs = [rng.standard_normal((n, nparts, numel)).astype(np.float32) for _ in range(calls)]
     launch = dict(NUMEL=numel, N=n, CAP=a.CAPACITY, BLOCK=a.BLOCK, PROGRAMS=a.MAX_PROGRAMS, FLAGS=a._FLAGS,
-                  STAGING=a._STAGING, SPIN_LIMIT=1 << 16, num_warps=4)
+                  STAGING=a._STAGING, SPIN_LIMIT=1 << 16, P=nparts, num_warps=4)
     got = _run("plain", n, inputs, (numel,), calls, launch, 0, a._FLAGS)
     for c in range(calls):
-        want = (inputs[c][0] + inputs[c][1]) + inputs[c][2]
+        mine = [inputs[c][r][0] + inputs[c][r][1] if nparts == 2 else inputs[c][r][0] for r in range(n)]
+        want = (mine[0] + mine[1]) + mine[2]
         for me in range(n):
             np.testing.assert_array_equal(got[me, c, 0], want, err_msg=f"rank {me}, call {c}")
 

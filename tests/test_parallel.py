@@ -384,12 +384,14 @@ def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values
     np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
 
 
-def test_the_oneshot_mode_hands_each_block_output_unreduced_to_the_fused_add_norm(wide, rng, monkeypatch):
-    """In the one-shot mode with the fused kernel on (policy ``oneshot_fused``) a block's output reaches the residual
-    add + norm unreduced, and one launch reduces, adds and norms it (jaxmtp.pallas.allreduce_oneshot.add_rms_norm,
-    two per layer). The kernel needs CUDA, so here it is
-    replaced by its psum reference (it is checked against that on the GPU, tests/test_gpu_checks.py): logits and the
-    tokens of plain and speculative engines equal the psum mode's, with the norm kernel (interpreted) in both."""
+@pytest.mark.parametrize("knob", ["oneshot_fused", "oneshot_parts"])
+def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_them(wide, rng, monkeypatch, knob):
+    """The one-shot mode's two options route each block's output (two per layer) to a kernel with nothing summed
+    before it: ``oneshot_fused``: unreduced to the kernel that reduces, adds and norms it
+    (jaxmtp.pallas.allreduce_oneshot.add_rms_norm); ``oneshot_parts``: as its split-K parts to the all-reduce kernel
+    (``allreduce(..., parts=True)``). The kernels need CUDA, so here they are replaced by their psum references
+    (checked against those on the GPU, tests/test_gpu_checks.py): logits and the tokens of plain and speculative
+    engines equal the psum mode's, with the norm kernel (interpreted) in both."""
     from jaxmtp.pallas import allreduce_oneshot
 
     calls = []
@@ -398,14 +400,17 @@ def test_the_oneshot_mode_hands_each_block_output_unreduced_to_the_fused_add_nor
         calls.append(parts.shape)
         return allreduce_oneshot.row_reference(x, parts, weight, eps, axis)
 
+    def allreduce(y, axis, ranks, peers, *, parts=False):
+        calls.append(y.shape) if parts else None
+        return allreduce_oneshot.reference(y, axis, parts=parts)
+
     monkeypatch.setattr(allreduce_oneshot, "add_rms_norm", fused)
-    monkeypatch.setattr(allreduce_oneshot, "allreduce",
-                        lambda y, axis, ranks, peers: allreduce_oneshot.reference(y, axis))
+    monkeypatch.setattr(allreduce_oneshot, "allreduce", allreduce)
     base = _load(wide("dense"), 2)
 
     def variant(reduce):
         tp = dataclasses.replace(base.backend.parallel, reduce=reduce)
-        policy = dataclasses.replace(base.backend.policy, oneshot_fused=True)
+        policy = dataclasses.replace(base.backend.policy, **{knob: True})
         return dataclasses.replace(base, backend=dataclasses.replace(base.backend, norm="triton_interpret", parallel=tp,
                                                                      policy=policy))
 

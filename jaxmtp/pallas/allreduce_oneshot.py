@@ -106,8 +106,13 @@ def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
     return ws, addrs
 
 
-def reference(y: jax.Array, axis: str) -> jax.Array:
-    """What the kernel computes: the float32 sum of ``y`` over the ranks of ``axis``."""
+def reference(y: jax.Array, axis: str, *, parts: bool = False) -> jax.Array:
+    """What the kernel computes: the float32 sum of ``y`` over the ranks of ``axis`` (with ``parts``, of the sum of
+    ``y``'s parts along its first axis, in part order)."""
+    if parts:
+        from jaxmtp.pallas._common import sum_parts
+
+        y = sum_parts(y.astype(jnp.float32))
     return jax.lax.psum(y.astype(jnp.float32), axis)
 
 
@@ -172,7 +177,7 @@ def _kernel():
     @triton.jit
     def oneshot(x_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, out_ptr, NUMEL: tl.constexpr, N: tl.constexpr,
                 CAP: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, FLAGS: tl.constexpr,
-                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, P: tl.constexpr = 1):
         c = tl.program_id(0)
         me = tl.load(rank_ptr)  # rank on the tp axis
         group = tl.load(rank_ptr + 1)  # flat mesh index of rank 0 of this tp group
@@ -182,7 +187,9 @@ def _kernel():
         parity = e & 1  # (not e % 2: e wraps past 2^31 after a few days of steps, and a negative e % 2 is -1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NUMEL
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, P):  # this rank's split-K parts, summed in part order
+            x += tl.load(x_ptr + i * NUMEL + offs, mask=mask, other=0.0).to(tl.float32)
         for p in tl.static_range(N):
             peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
             stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + me) * CAP
@@ -199,20 +206,23 @@ def _kernel():
     return oneshot
 
 
-def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...]) -> jax.Array:
+def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, parts: bool = False) -> jax.Array:
     """The float32 sum of ``y`` (any shape, at most :data:`CAPACITY` elements) over the ``ranks`` ranks of mesh axis
-    ``axis``, inside the step's ``shard_map``; ``peers``: the workspaces' addresses (:func:`allocate`)."""
+    ``axis``, inside the step's ``shard_map``; ``peers``: the workspaces' addresses (:func:`allocate`). With
+    ``parts``, ``y [P, ...]`` (any float dtype) is this rank's value as P split-K parts, summed in part order in the
+    kernel (:func:`reference`): no launch of its own for that sum or a conversion."""
     import jax_triton as jt
 
-    numel = y.size
+    shape = y.shape[1:] if parts else y.shape
+    numel = int(np.prod(shape))
     if numel > CAPACITY:
         raise ValueError(f"the one-shot all-reduce takes at most {CAPACITY} elements, not {numel}")
     out = jt.triton_call(
-        y.astype(jnp.float32).reshape(-1), _rank_and_group(axis, ranks), *peers, kernel=_kernel(),
-        out_shape=jax.ShapeDtypeStruct((numel,), jnp.float32), grid=(-(-numel // BLOCK),), num_warps=NUM_WARPS,
-        num_stages=1, NUMEL=numel, N=ranks, CAP=CAPACITY, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS, FLAGS=_FLAGS,
-        STAGING=_STAGING, SPIN_LIMIT=SPIN_LIMIT)
-    return out.reshape(y.shape)
+        y.reshape(-1) if parts else y.astype(jnp.float32).reshape(-1), _rank_and_group(axis, ranks), *peers,
+        kernel=_kernel(), out_shape=jax.ShapeDtypeStruct((numel,), jnp.float32), grid=(-(-numel // BLOCK),),
+        num_warps=NUM_WARPS, num_stages=1, NUMEL=numel, N=ranks, CAP=CAPACITY, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS,
+        FLAGS=_FLAGS, STAGING=_STAGING, SPIN_LIMIT=SPIN_LIMIT, P=y.shape[0] if parts else 1)
+    return out.reshape(shape)
 
 
 @functools.cache
@@ -341,10 +351,9 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
 
 def row_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str):
     """What :func:`add_rms_norm` computes, from ``lax.psum`` and the add + norm reference."""
-    from jaxmtp.pallas._common import sum_parts
     from jaxmtp.pallas.norms import add_rms_norm_reference
 
-    total = reference(sum_parts(parts.astype(jnp.float32)), axis)
+    total = reference(parts, axis, parts=True)
     return add_rms_norm_reference(x, total.astype(x.dtype), weight, eps)
 
 

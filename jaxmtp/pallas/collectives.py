@@ -92,6 +92,21 @@ def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
     return jax.lax.psum(y.astype(jnp.float32), tp.axis).astype(dtype)
 
 
+def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
+    """:func:`reduce_sum` of a local partial given as ``parts [P, ...]`` (any float dtype), summed in part order
+    (:func:`jaxmtp.pallas._common.sum_parts`) in float32; the one-shot kernel sums them itself, with no launch of
+    their own. As ``dtype`` (default float32)."""
+    from jaxmtp.pallas._common import sum_parts
+
+    dtype = dtype or jnp.float32
+    if tp.active and tp.reduce == "oneshot" and tp.size > 1:
+        from jaxmtp.pallas import allreduce_oneshot
+
+        if parts[0].size <= allreduce_oneshot.CAPACITY:
+            return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True).astype(dtype)
+    return reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, dtype)
+
+
 def _tree_sum(parts: jax.Array) -> jax.Array:
     """Balanced pairwise sum over the leading axis (a power of two): ((p0 + p1) + (p2 + p3)) + ..."""
     while parts.shape[0] > 1:
@@ -144,4 +159,4 @@ def gather_vocab(logits: jax.Array, tp: TensorParallel) -> jax.Array:
 
 
 __all__ = ["REDUCE_MODES", "SHAPE_STABLE_CPU_XLA_FLAGS", "SINGLE", "TensorParallel", "exact_sum", "fixed_product",
-           "gather_vocab", "rank", "reduce_sum", "vocab_argmax"]
+           "gather_vocab", "rank", "reduce_parts", "reduce_sum", "vocab_argmax"]

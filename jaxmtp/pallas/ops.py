@@ -140,12 +140,15 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if not tp.active:
         return y
     dtype = a.dtype
+    parts = y.parts if isinstance(y, SplitSum) else y[None]
     if partials and _fused_reduce_applies(y, tp, backend):
-        return Unreduced(y.parts if isinstance(y, SplitSum) else y[None], dtype, tp)
-    y = sum_parts(y.parts) if isinstance(y, SplitSum) else y.astype(jnp.float32)
+        return Unreduced(parts, dtype, tp)
     if not reduce:
-        return y.astype(dtype)
-    total = _collectives.reduce_sum(y, tp, jnp.float32)
+        return sum_parts(parts.astype(jnp.float32)).astype(dtype)
+    if tp.reduce == "oneshot" and backend.policy.oneshot_parts:  # the kernel sums and widens the parts itself
+        total = _collectives.reduce_parts(parts, tp)
+    else:
+        total = _collectives.reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, jnp.float32)
     # with ``partials`` the float32 sum goes on as one part: the residual add + norm rounds it to dtype in its own
     # launch, the same values as rounding here, without a launch of its own for that rounding
     return SplitSum(total[None], dtype) if partials else total.astype(dtype)

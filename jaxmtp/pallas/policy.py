@@ -75,10 +75,12 @@ class KernelPolicy:
     # tensor parallelism's one-shot mode (jaxmtp.pallas.allreduce_oneshot): a block's output reduced over the ranks,
     # added to the residual stream and normed in one launch (else the all-reduce kernel, then the add + norm kernel:
     # faster as measured, docs/performance.md); the fused kernel's programs per row (1, or 0: one per chunk of the
-    # row) and warps per program
+    # row) and warps per program; and whether the all-reduce kernel takes a product's split-K parts or its bf16
+    # output as they are (summed and widened inside: no launch of its own for either; the same values)
     oneshot_fused: bool = False
     oneshot_row_programs: int = 1
     oneshot_row_num_warps: int = 4
+    oneshot_parts: bool = False
 
     # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
     attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
