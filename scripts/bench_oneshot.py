@@ -5,6 +5,7 @@ between, each call's output the next call's input):
 
 * ``psum``: ``lax.psum`` of the rank's partial, then the add + norm kernel (the psum mode);
 * ``oneshot``: the one-shot all-reduce kernel, then the add + norm kernel;
+* ``oneshot-parts``: the same with the partial handed over in bf16 (``parts=True``: widened in the kernel);
 * ``fused-pP-wN``: the fused kernel (:func:`jaxmtp.pallas.allreduce_oneshot.add_rms_norm`) at P programs per row
   (1, or one per chunk of the row: ``c``) and N warps per program.
 
@@ -53,12 +54,13 @@ def main(argv=None) -> dict:
 
     def two_steps(reduce):
         def step(x, part):
-            total = reduce(part[0])
+            total = reduce(part)
             return add_rms_norm_triton(x, SplitSum(total[None], x.dtype), w, eps)
         return step
 
-    ways = {"psum": two_steps(lambda y: allreduce_oneshot.reference(y, "tp")),
-            "oneshot": two_steps(lambda y: allreduce_oneshot.allreduce(y, "tp", n, peers))}
+    ways = {"psum": two_steps(lambda p: allreduce_oneshot.reference(p[0], "tp")),
+            "oneshot": two_steps(lambda p: allreduce_oneshot.allreduce(p[0], "tp", n, peers)),
+            "oneshot-parts": two_steps(lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True))}
     for ppr in args.programs.split(","):
         for nw in (int(v) for v in args.warps.split(",")):
             ways[f"fused-p{ppr}-w{nw}"] = (lambda nw, ppr: lambda x, part: allreduce_oneshot.add_rms_norm(
