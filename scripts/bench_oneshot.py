@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         for name, ts in times.items():
             results.append({"rows": rows, "way": name, "us_per_call": float(np.median(ts)), "rounds_us": ts,
                             "finite": finite[name]})
-            print(f"rows {rows:4d} {name:12s} {np.median(ts):7.2f} us per call{'' if finite[name] else '  NaN'}",
+            print(f"rows {rows:4d} {name:14s} {np.median(ts):7.2f} us per call{'' if finite[name] else '  NaN'}",
                   flush=True)
     out = {"meta": run_metadata(), "args": vars(args), "ranks": n, "results": results}
     if args.out:
