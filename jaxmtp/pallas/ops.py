@@ -145,7 +145,7 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
         return Unreduced(parts, dtype, tp)
     if not reduce:
         return sum_parts(parts.astype(jnp.float32)).astype(dtype)
-    if tp.reduce == "oneshot" and backend.policy.oneshot_parts:  # the kernel sums and widens the parts itself
+    if backend.policy.oneshot_parts:  # in the one-shot mode the kernel sums and widens the parts itself
         total = _collectives.reduce_parts(parts, tp)
     else:
         total = _collectives.reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, jnp.float32)
