@@ -234,9 +234,10 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
     fixed order, so that every layout gives the bits of ``tensor_parallel_size=1`` in that mode, on a CPU whose XLA
     codegen does not depend on shapes (:data:`jaxmtp.pallas.collectives.SHAPE_STABLE_CPU_XLA_FLAGS`; slower; for
     tests and debugging); ``"psum"`` is XLA's all-reduce; ``"oneshot"`` sums a decode or verify step's rows with a
-    one-shot kernel in the step's stream (:mod:`jaxmtp.pallas.allreduce_oneshot`; CUDA with jax_triton; psum's
-    values, 4-9% faster 27B steps on two H200s); the default ``"auto"`` takes oneshot where it was measured (TP 2,
-    no DP, one process, CUDA with jax_triton) and psum elsewhere (:func:`jaxmtp.parallel.resolve_reduce`).
+    one-shot kernel in the step's stream, fused with the residual add and the next norm
+    (:mod:`jaxmtp.pallas.allreduce_oneshot`; CUDA with jax_triton; psum's values, 27B steps 8-9% faster than psum's
+    on two and four H200s); the default ``"auto"`` takes oneshot where it was measured (TP 2 and 4, no DP, one
+    process, CUDA with jax_triton) and psum elsewhere (:func:`jaxmtp.parallel.resolve_reduce`).
 
     A block-FP8 checkpoint (the official Qwen3.5 FP8 format, :mod:`jaxmtp.fp8`) loads as it is stored: its FP8
     projections stay FP8 on the device (half the bytes of bf16; the GPU kernels read them directly). ``quantization=

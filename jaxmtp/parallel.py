@@ -306,14 +306,14 @@ class ParallelLayout:
 
 
 def resolve_reduce(reduce: str, tp: int, dp: int = 1) -> str:
-    """The reduction mode ``"auto"`` stands for: ``"oneshot"`` at TP 2 without data parallelism in one process on a
-    CUDA GPU with jax_triton (the layout it was measured faster in: docs/performance.md, "Tensor parallelism"),
-    else ``"psum"``; any other mode as given."""
+    """The reduction mode ``"auto"`` stands for: ``"oneshot"`` at TP 2 and 4 without data parallelism in one process
+    on a CUDA GPU with jax_triton (the layouts it was measured faster in and tested on: docs/performance.md, "The
+    one-shot reduction"), else ``"psum"``; any other mode as given."""
     if reduce != "auto":
         return reduce
     from jaxmtp.pallas import allreduce_oneshot
 
-    if tp == 2 and dp == 1 and jax.process_count() == 1 and allreduce_oneshot.available():
+    if tp in (2, 4) and dp == 1 and jax.process_count() == 1 and allreduce_oneshot.available():
         return "oneshot"
     return "psum"
 

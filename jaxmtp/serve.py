@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how -tp ranks sum their partial products: psum (XLA's all-reduce), oneshot (a one-shot "
                         "kernel in the step's stream for decode and verify rows; CUDA with jax_triton: pip install "
                         "'jaxmtp[gpu]'), fixed (one fixed order, the same bits at every -tp; slower; for debugging); "
-                        "auto: oneshot at -tp 2 without -dp where it can run, else psum")
+                        "auto: oneshot at -tp 2 or 4 without -dp where it can run, else psum")
     g.add_argument("--served-model-name", default=None, help="the name requests may give in their model field "
                    "(default: the checkpoint directory's name, 'jaxmtp-default' for the embedded model)")
     g = ap.add_argument_group("network")

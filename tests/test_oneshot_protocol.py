@@ -38,7 +38,8 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
 
     kernel = a._kernel() if kind == "plain" else a._row_kernel()
     # the interpreter resolves names in the kernel's globals (not its closure) and has no libdevice: tl's rsqrt
-    kernel.fn.__globals__.update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), tl=tl, libdevice=tl)
+    kernel.fn.__globals__.update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), take=a._take(), tl=tl,
+                                 libdevice=tl)
     shms = [shared_memory.SharedMemory(name=nm) for nm in names]
     views = [torch.frombuffer(s.buf, dtype=torch.int32) for s in shms]
     peers = [v.data_ptr() for v in views] + [0] * (a.MAX_RANKS - n)
@@ -62,7 +63,8 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
 
 
 def _run(kind, n, inputs, shape, calls, launch, counters, flags):
-    """Every rank's process at once; returns their outputs [ranks, calls, 2, *shape]."""
+    """Every rank's process at once, over new workspaces whose counters (and flags) are at START; returns their
+    outputs [ranks, calls, 2, *shape]."""
     from jaxmtp.pallas import allreduce_oneshot as a
 
     shms = [shared_memory.SharedMemory(create=True, size=a.workspace_bytes(n)) for _ in range(n)]
@@ -70,7 +72,7 @@ def _run(kind, n, inputs, shape, calls, launch, counters, flags):
     try:
         for s in shms:
             words = np.ndarray((a.workspace_bytes(n) // 4,), np.int32, buffer=s.buf)
-            words[:] = 0
+            words[:] = a.initial_words(n)
             words[counters // 4: counters // 4 + a.MAX_PROGRAMS] = START
             words[flags // 4: flags // 4 + a.MAX_RANKS * a.MAX_PROGRAMS] = START  # every peer's START calls
             del words
@@ -89,18 +91,25 @@ def _run(kind, n, inputs, shape, calls, launch, counters, flags):
             s.unlink()
 
 
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
 @pytest.mark.parametrize("nparts", [1, 2])
-def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap(nparts):
+def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap(nparts, protocol):
     """Three ranks, 3001 floats (a partial last block), each rank's value as ``nparts`` split-K parts, four calls from
-    2^31 - 1 on: every rank gets the float32 sum in rank order of the ranks' part sums, bit for bit, every call."""
+    2^31 - 1 on (the Lamport protocol: with zeros of either sign among the values): every rank gets the float32 sum
+    in rank order of the ranks' part sums, bit for bit (a zero's sign aside), every call."""
     from jaxmtp.pallas import allreduce_oneshot as a
 
     n, calls, numel = 3, 4, 3001
     rng = np.random.default_rng(nparts)
     inputs = [rng.standard_normal((n, nparts, numel)).astype(np.float32) for _ in range(calls)]
-    launch = dict(NUMEL=numel, N=n, CAP=a.CAPACITY, BLOCK=a.BLOCK, PROGRAMS=a.MAX_PROGRAMS, FLAGS=a._FLAGS,
-                  STAGING=a._STAGING, SPIN_LIMIT=1 << 16, P=nparts, num_warps=4)
-    got = _run("plain", n, inputs, (numel,), calls, launch, 0, a._FLAGS)
+    for c in range(calls):  # zeros of both signs: -0.0 is the Lamport protocol's empty mark
+        inputs[c][:, :, rng.integers(0, numel, 40)] = np.float32(-0.0)
+        inputs[c][:, :, rng.integers(0, numel, 40)] = np.float32(0.0)
+    sec = a._sections(n, protocol)
+    launch = dict(NUMEL=numel, N=n, CAP=a.CAPACITY, BLOCK=a.BLOCK, PROGRAMS=a.MAX_PROGRAMS, FLAGS=sec["flags"],
+                  STAGING=sec["staging"], SPIN_LIMIT=1 << 16, P=nparts, COUNTERS=sec["counters"],
+                  LAMPORT=int(protocol == "lamport"), num_warps=4)
+    got = _run("plain", n, inputs, (numel,), calls, launch, sec["counters"], sec["flags"])
     for c in range(calls):
         mine = [inputs[c][r][0] + inputs[c][r][1] if nparts == 2 else inputs[c][r][0] for r in range(n)]
         want = (mine[0] + mine[1]) + mine[2]
@@ -108,7 +117,8 @@ def test_the_all_reduce_sums_the_ranks_across_the_counter_wrap(nparts):
             np.testing.assert_array_equal(got[me, c, 0], want, err_msg=f"rank {me}, call {c}")
 
 
-def test_the_fused_add_norm_across_the_counter_wrap():
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
+def test_the_fused_add_norm_across_the_counter_wrap(protocol):
     """Two ranks, two rows of 2048 from two float32 parts each, one program per row, four calls from 2^31 - 1 on:
     s = x + the ranks' sum of their part sums, bit for bit, and h = rms_norm(s) against float64."""
     from jaxmtp.pallas import allreduce_oneshot as a
@@ -118,11 +128,12 @@ def test_the_fused_add_norm_across_the_counter_wrap():
     inputs = [(rng.standard_normal((rows, hdim)).astype(np.float32),
                (rng.standard_normal(hdim) * 0.1).astype(np.float32),
                rng.standard_normal((n, nparts, rows, hdim)).astype(np.float32)) for _ in range(calls)]
+    sec = a._sections(n, protocol)
     launch = dict(ROWS=rows, H=hdim, C=hdim, CPP=1, P=nparts, N=n, EPS=1e-6, STRIDE=a.ROW_STRIDE,
-                  MAXROWS=a.MAX_ROWS, MAXPROGS=a.MAX_PROGRAMS, COUNTERS=a._ROW_COUNTERS, FLAGS=a._ROW_FLAGS,
-                  ROWSYNC=a._ROW_SYNC, SQUARES=a._ROW_SQUARES, STAGING=a._row_staging(n), SPIN_LIMIT=1 << 16,
-                  num_warps=4)
-    got = _run("row", n, inputs, (rows, hdim), calls, launch, a._ROW_COUNTERS, a._ROW_FLAGS)
+                  MAXROWS=a.MAX_ROWS, MAXPROGS=a.MAX_PROGRAMS, COUNTERS=sec["row_counters"], FLAGS=sec["row_flags"],
+                  ROWSYNC=a._ROW_SYNC, SQUARES=a._ROW_SQUARES, STAGING=sec["row_staging"], SPIN_LIMIT=1 << 16,
+                  LAMPORT=int(protocol == "lamport"), num_warps=4)
+    got = _run("row", n, inputs, (rows, hdim), calls, launch, sec["row_counters"], sec["row_flags"])
     for c in range(calls):
         x, w, parts = inputs[c]
         s = x + ((parts[0, 0] + parts[0, 1]) + (parts[1, 0] + parts[1, 1]))

@@ -5,7 +5,8 @@ Why: XLA runs each ``psum`` of a decode step's hidden row as a collective on a s
 sat idle about 18-21 us around each of the 129 per 27B step (docs/performance.md, "Tensor parallelism"). This
 kernel is an ordinary launch in the step's stream: rank r writes its block of ``y`` into every peer's staging area,
 raises a flag there, waits for every peer's flag in its own memory, then sums the ranks' blocks in rank order. The
-sum is the reference's (:func:`reference`: ``lax.psum`` in float32; rank order, so every rank gets the same bits).
+sum is the reference's (:func:`reference`: ``lax.psum`` in float32) up to the order of the additions: rank order, so
+every rank gets the same bits (psum's at two ranks; on more, NCCL may add in another order).
 
 The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1) B)``, B = :data:`BLOCK`):
 
@@ -18,6 +19,14 @@ The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1)
 * two parities suffice: a peer can write parity ``e & 1`` again only in call ``e + 2``, which needs this rank's
   flag of call ``e + 1``, raised after this rank's call ``e`` finished reading.
 
+The Lamport protocol (``protocol="lamport"``, the kernel policy's ``oneshot_lamport``; not yet measured, so off)
+drops the flags and the release / acquire pair at system scope: its staging slots start as -0.0 (:data:`EMPTY`), a
+rank sends -0.0 as +0.0, and a reader polls its slots with volatile loads until none holds -0.0, a 4-byte value
+arriving whole, then sets them to -0.0 again. Two parities suffice as above: a peer's call ``e + 2`` follows its call
+``e + 1``, which needed this rank's values of call ``e + 1``, sent after this rank's call ``e`` (and its emptying)
+ended. It has counters and staging of its own in the workspace, so the two protocols may alternate on one
+workspace (the benchmarks do). The sums are the flags protocol's, but for the sign of a zero.
+
 A program spins on its peers' flags, so every program of a call must be resident at once: at most
 :data:`MAX_PROGRAMS` (1024 programs of 4 warps; an H100 holds 2112). Larger tensors (prefill chunks) take
 ``lax.psum``. The counters are int32 and wrap after 2^31 calls (days of serving), so parities are ``e & 1`` and
@@ -28,15 +37,17 @@ the AOT store's key) belongs to one workspace.
 
 :func:`add_rms_norm` is the same exchange fused with the block's residual add and the next RMSNorm: a block's
 output, as this rank's split-K parts, reduced over the ranks, added to the residual stream and normed in one launch
-(the kernel policy's ``oneshot_fused``, off: measured no faster). Its programs own a row each, or a chunk of a row
-each, whose programs then meet at a per-row barrier to share their square sums; it has a section of the workspace
-of its own (counters, flags, and staging with rows at a fixed stride of :data:`ROW_STRIDE`), so the two kernels
-never share a program's region. It forms ``s = x + round(sum)`` and ``h = rms_norm(s)`` as
+(the kernel policy's ``oneshot_fused``, on: the fastest way measured, docs/performance.md). Its programs own a row
+each, or a chunk of a row each (the policy's default), whose programs then meet at a per-row barrier to share their
+square sums (at most 128 rows x 5 chunks of 8 warps for 27B's 5120: all resident at once). It has a section of the
+workspace of its own (counters, flags, and staging with rows at a fixed stride of :data:`ROW_STRIDE`), so the two
+kernels never share a program's region. It forms ``s = x + round(sum)`` and ``h = rms_norm(s)`` as
 :func:`jaxmtp.pallas.norms.add_rms_norm_triton` does.
 
-Needs ``jax_triton`` (the ``gpu`` extra) and a CUDA GPU; :func:`available` says whether both are present. On the
-GPU both kernels are checked against ``lax.psum`` (tests/test_gpu_checks.py); on the CPU their protocol runs in
-Triton's interpreter with a process per rank (tests/test_oneshot_protocol.py).
+Needs ``jax_triton`` (the ``gpu`` extra) and a CUDA GPU; :func:`available` says whether both are present. On two
+and four GPUs both kernels equal the ranks' values gathered and added in rank order, bit for bit
+(tests/test_gpu_checks.py); on the CPU their protocol runs in Triton's interpreter with a process per rank
+(tests/test_oneshot_protocol.py).
 """
 
 from __future__ import annotations
@@ -60,8 +71,12 @@ _ROW_COUNTERS = _FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # the fused kernel's coun
 _ROW_FLAGS = _ROW_COUNTERS + 4 * MAX_PROGRAMS  # flags [ranks, programs],
 _ROW_SYNC = _ROW_FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # per row a call count and two arrival counters [rows, 4]
 _ROW_SQUARES = _ROW_SYNC + 16 * MAX_ROWS  # and the square sums of its programs [rows, 16] float32;
-_STAGING = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
-# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`)
+_LAMPORT_COUNTERS = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the Lamport protocol's counters, plain then fused [2, programs]
+_STAGING = _LAMPORT_COUNTERS + 8 * MAX_PROGRAMS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
+# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`); then both again for the Lamport protocol, whose
+# empty slots hold -0.0 (:func:`_sections`)
+EMPTY = -(2**31)  # int32 bits of float32 -0.0: the Lamport protocol's mark of a slot not yet written
+PROTOCOLS = ("flags", "lamport")
 SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer that never comes: a bug, not a hang;
 # tests lower it, so that a broken protocol fails in a second instead of a minute per call)
 
@@ -70,9 +85,26 @@ def _row_staging(ranks: int) -> int:
     return _STAGING + 2 * ranks * CAPACITY * 4
 
 
+def _lamport_staging(ranks: int) -> int:
+    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
+
+
+def _sections(ranks: int, protocol: str) -> dict:
+    """Byte offsets of a protocol's regions in a workspace: the plain kernel's counters, flags and staging, the fused
+    kernel's counters, flags and staging (the Lamport protocol has no flags: it keeps the flags protocol's, unused)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"the one-shot protocol is one of {PROTOCOLS}, not {protocol!r}")
+    if protocol == "flags":
+        return dict(counters=0, flags=_FLAGS, staging=_STAGING, row_counters=_ROW_COUNTERS, row_flags=_ROW_FLAGS,
+                    row_staging=_row_staging(ranks))
+    plain = _lamport_staging(ranks)
+    return dict(counters=_LAMPORT_COUNTERS, flags=_FLAGS, staging=plain, row_counters=_LAMPORT_COUNTERS
+                + 4 * MAX_PROGRAMS, row_flags=_ROW_FLAGS, row_staging=plain + 2 * ranks * CAPACITY * 4)
+
+
 def workspace_bytes(ranks: int) -> int:
     """Device bytes of one rank's workspace."""
-    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
+    return _lamport_staging(ranks) + 2 * ranks * (CAPACITY + MAX_ROWS * ROW_STRIDE) * 4
 
 
 def available() -> bool:
@@ -89,18 +121,25 @@ def available() -> bool:
     return bool(getattr(triton_lib, "CAN_USE_TRITON", False))
 
 
+def initial_words(ranks: int) -> np.ndarray:
+    """A new workspace's contents as int32 words: zero (no calls made), the Lamport protocol's slots empty."""
+    words = np.zeros(workspace_bytes(ranks) // 4, np.int32)
+    words[_lamport_staging(ranks) // 4:] = EMPTY
+    return words
+
+
 def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
-    """Zeroed workspaces, one per device of ``mesh`` (any shape), and their device addresses in the mesh's flat
-    order (padded with 0 to :data:`MAX_RANKS`). Keep the array alive while a kernel may use the addresses."""
+    """New workspaces (:func:`initial_words`), one per device of ``mesh`` (any shape), and their device addresses
+    in the mesh's flat order (padded with 0 to :data:`MAX_RANKS`). Keep the array alive while a kernel may use the
+    addresses."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     devices = list(mesh.devices.flat)
     if len(devices) > MAX_RANKS:
         raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} devices, not {len(devices)}")
     tp = mesh.shape["tp"]
-    words = workspace_bytes(tp) // 4
     flat = jax.sharding.Mesh(np.asarray(devices), ("all",))
-    ws = jax.device_put(np.zeros((len(devices), words), np.int32), NamedSharding(flat, P("all")))
+    ws = jax.device_put(np.tile(initial_words(tp), (len(devices), 1)), NamedSharding(flat, P("all")))
     by_device = {s.device: s.data.unsafe_buffer_pointer() for s in ws.addressable_shards}
     addrs = tuple(by_device[d] for d in devices) + (0,) * (MAX_RANKS - len(devices))
     return ws, addrs
@@ -168,21 +207,46 @@ def _signal_and_wait():
 
 
 @functools.cache
+def _take():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def take(slot, mask, SPIN_LIMIT: tl.constexpr):
+        """The Lamport protocol's read of the float32 ``slot`` block (a block of pointers into this rank's staging):
+        polls until none of its ``mask`` elements is -0.0 (empty), then empties it for the call two after this one.
+        Returns the values and how many elements never came (SPIN_LIMIT polls). No flag and no fence: each element
+        is its own signal, as a 4-byte store arrives whole."""
+        v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+        missing = tl.sum(((v.to(tl.int32, bitcast=True) == -2147483648) & mask).to(tl.int32), 0)
+        polls = missing * 0
+        while (missing > 0) & (polls < SPIN_LIMIT):
+            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+            missing = tl.sum(((v.to(tl.int32, bitcast=True) == -2147483648) & mask).to(tl.int32), 0)
+            polls += 1
+        tl.store(slot, tl.full(v.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True), mask=mask)
+        return v, missing
+
+    return take
+
+
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
-    pick, signal_and_wait = _pick(), _signal_and_wait()
+    pick, signal_and_wait, take = _pick(), _signal_and_wait(), _take()
 
     @triton.jit
     def oneshot(x_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, out_ptr, NUMEL: tl.constexpr, N: tl.constexpr,
                 CAP: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, FLAGS: tl.constexpr,
-                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, P: tl.constexpr = 1):
+                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, P: tl.constexpr = 1, COUNTERS: tl.constexpr = 0,
+                LAMPORT: tl.constexpr = 0):
         c = tl.program_id(0)
         me = tl.load(rank_ptr)  # rank on the tp axis
         group = tl.load(rank_ptr + 1)  # flat mesh index of rank 0 of this tp group
         mine = pick(group + me, s0, s1, s2, s3, s4, s5, s6, s7)
-        counter = mine.to(tl.pointer_type(tl.int32)) + c
+        counter = (mine + COUNTERS).to(tl.pointer_type(tl.int32)) + c
         e = tl.load(counter, volatile=True) + 1
         parity = e & 1  # (not e % 2: e wraps past 2^31 after a few days of steps, and a negative e % 2 is -1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -190,29 +254,43 @@ def _kernel():
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         for i in tl.static_range(1, P):  # this rank's split-K parts, summed in part order
             x += tl.load(x_ptr + i * NUMEL + offs, mask=mask, other=0.0).to(tl.float32)
+        if LAMPORT:  # -0.0 marks an empty slot: a -0.0 goes as +0.0 (the same sums, but for a zero's sign)
+            x = tl.where(x == 0.0, 0.0, x)
         for p in tl.static_range(N):
             peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
             stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + me) * CAP
             tl.store(stage + offs, x, mask=mask & (me != p))
-        late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS, SPIN_LIMIT)
         acc = tl.zeros((BLOCK,), tl.float32)
-        for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
-            stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
-            v = tl.load(stage + offs, mask=mask & (me != p), other=0.0, cache_modifier=".cg")
-            acc += tl.where(me == p, x, v)
+        if LAMPORT:
+            late = c * 0
+            for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
+                stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
+                v, missing = take(stage + offs, mask & (me != p), SPIN_LIMIT)
+                late += missing
+                acc += tl.where(me == p, x, v)
+        else:
+            late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS,
+                                   SPIN_LIMIT)
+            for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
+                stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
+                v = tl.load(stage + offs, mask=mask & (me != p), other=0.0, cache_modifier=".cg")
+                acc += tl.where(me == p, x, v)
         tl.store(out_ptr + offs, tl.where(late == 0, acc, float("nan")), mask=mask)
         tl.store(counter, e)
 
     return oneshot
 
 
-def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, parts: bool = False) -> jax.Array:
+def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, parts: bool = False,
+              protocol: str = "flags") -> jax.Array:
     """The float32 sum of ``y`` (any shape, at most :data:`CAPACITY` elements) over the ``ranks`` ranks of mesh axis
     ``axis``, inside the step's ``shard_map``; ``peers``: the workspaces' addresses (:func:`allocate`). With
     ``parts``, ``y [P, ...]`` (any float dtype) is this rank's value as P split-K parts, summed in part order in the
-    kernel (:func:`reference`): no launch of its own for that sum or a conversion."""
+    kernel (:func:`reference`): no launch of its own for that sum or a conversion. ``protocol``: how a rank knows its
+    peers' values have arrived, ``"flags"`` or ``"lamport"`` (module doc)."""
     import jax_triton as jt
 
+    sec = _sections(ranks, protocol)
     shape = y.shape[1:] if parts else y.shape
     numel = int(np.prod(shape))
     if numel > CAPACITY:
@@ -221,7 +299,8 @@ def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, pa
         y.reshape(-1) if parts else y.astype(jnp.float32).reshape(-1), _rank_and_group(axis, ranks), *peers,
         kernel=_kernel(), out_shape=jax.ShapeDtypeStruct((numel,), jnp.float32), grid=(-(-numel // BLOCK),),
         num_warps=NUM_WARPS, num_stages=1, NUMEL=numel, N=ranks, CAP=CAPACITY, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS,
-        FLAGS=_FLAGS, STAGING=_STAGING, SPIN_LIMIT=SPIN_LIMIT, P=y.shape[0] if parts else 1)
+        FLAGS=sec["flags"], STAGING=sec["staging"], SPIN_LIMIT=SPIN_LIMIT, P=y.shape[0] if parts else 1,
+        COUNTERS=sec["counters"], LAMPORT=int(protocol == "lamport"))
     return out.reshape(shape)
 
 
@@ -231,7 +310,7 @@ def _row_kernel():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    pick, signal_and_wait = _pick(), _signal_and_wait()
+    pick, signal_and_wait, take = _pick(), _signal_and_wait(), _take()
 
     @triton.jit
     def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
@@ -239,7 +318,7 @@ def _row_kernel():
                              P: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, STRIDE: tl.constexpr,
                              MAXROWS: tl.constexpr, MAXPROGS: tl.constexpr, COUNTERS: tl.constexpr,
                              FLAGS: tl.constexpr, ROWSYNC: tl.constexpr, SQUARES: tl.constexpr,
-                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, LAMPORT: tl.constexpr = 0):
         PPR: tl.constexpr = H // C // CPP  # programs per row, each CPP chunks of C
         g = tl.program_id(0)
         r = g // PPR
@@ -258,18 +337,32 @@ def _row_kernel():
             part = tl.load(y_ptr + row + j * C + cols).to(tl.float32)
             for i in tl.static_range(1, P):
                 part += tl.load(y_ptr + i * ROWS * H + row + j * C + cols).to(tl.float32)
+            if LAMPORT:  # -0.0 marks an empty slot: a -0.0 goes as +0.0
+                part = tl.where(part == 0.0, 0.0, part)
             for p in tl.static_range(N):
                 peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
                 stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + ((e & 1) * N + me) * area + base
                 tl.store(stage + j * C + cols, part)
-        late = signal_and_wait(me, group, mine, g, e, s0, s1, s2, s3, s4, s5, s6, s7, N, MAXPROGS, FLAGS, SPIN_LIMIT)
+        if LAMPORT:
+            late = g * 0
+        else:
+            late = signal_and_wait(me, group, mine, g, e, s0, s1, s2, s3, s4, s5, s6, s7, N, MAXPROGS, FLAGS,
+                                   SPIN_LIMIT)
         # the ranks' values summed in rank order, rounded to x's dtype, added to x: s; the squares of s summed
         mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
         sq = tl.zeros((C,), tl.float32)
         for j in tl.static_range(CPP):
-            total = tl.load(mine_stage + j * C + cols, cache_modifier=".cg")
-            for p in tl.static_range(1, N):
-                total += tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
+            if LAMPORT:
+                total, missing = take(mine_stage + j * C + cols, cols < C, SPIN_LIMIT)
+                late += missing
+                for p in tl.static_range(1, N):
+                    v, missing = take(mine_stage + p * area + j * C + cols, cols < C, SPIN_LIMIT)
+                    total += v
+                    late += missing
+            else:
+                total = tl.load(mine_stage + j * C + cols, cache_modifier=".cg")
+                for p in tl.static_range(1, N):
+                    total += tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
             x = tl.load(x_ptr + row + j * C + cols)
             s = (x.to(tl.float32) + total.to(x.dtype).to(tl.float32)).to(x.dtype)
             s = tl.where(late == 0, s, float("nan")).to(x.dtype)
@@ -318,8 +411,8 @@ def row_fusion_applies(rows: int, hdim: int, ranks: int) -> bool:
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str, ranks: int,
-                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True
-                 ) -> tuple[jax.Array, jax.Array]:
+                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True,
+                 protocol: str = "flags") -> tuple[jax.Array, jax.Array]:
     """The block's output reduced over the ranks and added to the residual stream, normed, in one launch:
     ``(s, h)`` [..., H] in x's dtype with ``s = x + round(sum over ranks of (sum over i of parts[i]))`` and ``h =
     rms_norm(s, weight, eps)`` (:func:`row_reference`). x [..., H]; ``parts`` [P, ..., H] (any float dtype): this
@@ -327,8 +420,8 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     offset, scale ``1 + w``). Inside the step's ``shard_map``, for shapes :func:`row_fusion_applies` takes.
     ``num_warps`` per program; a program per row, or one per chunk of a row (the row length's largest power-of-two
     divisor up to 4096: :func:`jaxmtp.pallas.norms.add_rms_norm_triton.chunk_size`), which hand each other their
-    square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging
-    region depends on it."""
+    square sums. ``protocol`` as :func:`allreduce`'s. The kernel policy chooses (``oneshot_row_*``,
+    ``oneshot_protocol``). One hidden size per workspace: a program's staging region depends on it."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
@@ -337,6 +430,7 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     if parts.shape[1:] != x.shape or weight.shape != (hdim,) or not row_fusion_applies(rows, hdim, ranks):
         raise ValueError(f"the fused one-shot add + norm does not take x {x.shape}, parts {parts.shape}, weight "
                          f"{weight.shape} over {ranks} ranks")
+    sec = _sections(ranks, protocol)
     chunk = chunk_size(hdim)
     ppr = 1 if one_program_per_row else hdim // chunk
     row = jax.ShapeDtypeStruct((rows, hdim), x.dtype)
@@ -344,8 +438,9 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
         parts.reshape(parts.shape[0], rows, hdim), x.reshape(rows, hdim), weight, _rank_and_group(axis, ranks),
         *peers, kernel=_row_kernel(), out_shape=[row, row], grid=(rows * ppr,), num_warps=num_warps,
         num_stages=1, ROWS=rows, H=hdim, C=chunk, CPP=hdim // chunk // ppr, P=parts.shape[0], N=ranks,
-        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=_ROW_COUNTERS,
-        FLAGS=_ROW_FLAGS, ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=_row_staging(ranks), SPIN_LIMIT=SPIN_LIMIT)
+        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=sec["row_counters"],
+        FLAGS=sec["row_flags"], ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=sec["row_staging"],
+        SPIN_LIMIT=SPIN_LIMIT, LAMPORT=int(protocol == "lamport"))
     return s.reshape(x.shape), h.reshape(x.shape)
 
 
@@ -373,5 +468,6 @@ def _has_axis(name: str) -> bool:
     return True
 
 
-__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "ROW_STRIDE", "SPIN_LIMIT", "add_rms_norm",
-           "allocate", "allreduce", "available", "reference", "row_fusion_applies", "row_reference", "workspace_bytes"]
+__all__ = ["BLOCK", "CAPACITY", "EMPTY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "PROTOCOLS", "ROW_STRIDE",
+           "SPIN_LIMIT", "add_rms_norm", "allocate", "allreduce", "available", "initial_words", "reference",
+           "row_fusion_applies", "row_reference", "workspace_bytes"]

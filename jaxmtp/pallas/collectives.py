@@ -79,8 +79,9 @@ def rank(tp: TensorParallel) -> jax.Array:
     return jax.lax.axis_index(tp.axis) if tp.active else jnp.int32(0)
 
 
-def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
-    """The sum over ranks of the local partial ``y`` (float32), as ``dtype`` (default y's)."""
+def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
+    """The sum over ranks of the local partial ``y`` (float32), as ``dtype`` (default y's); ``protocol``: the one-shot
+    kernel's (:func:`jaxmtp.pallas.allreduce_oneshot.allreduce`)."""
     dtype = dtype or y.dtype
     if not tp.active:
         return y.astype(dtype)
@@ -88,11 +89,11 @@ def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
         from jaxmtp.pallas import allreduce_oneshot
 
         if y.size <= allreduce_oneshot.CAPACITY:
-            return allreduce_oneshot.allreduce(y, tp.axis, tp.size, tp.peers).astype(dtype)
+            return allreduce_oneshot.allreduce(y, tp.axis, tp.size, tp.peers, protocol=protocol).astype(dtype)
     return jax.lax.psum(y.astype(jnp.float32), tp.axis).astype(dtype)
 
 
-def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
+def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
     """:func:`reduce_sum` of a local partial given as ``parts [P, ...]`` (any float dtype), summed in part order
     (:func:`jaxmtp.pallas._common.sum_parts`) in float32; the one-shot kernel sums them itself, with no launch of
     their own. As ``dtype`` (default float32)."""
@@ -103,8 +104,9 @@ def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
         from jaxmtp.pallas import allreduce_oneshot
 
         if parts[0].size <= allreduce_oneshot.CAPACITY:
-            return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True).astype(dtype)
-    return reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, dtype)
+            return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True,
+                                               protocol=protocol).astype(dtype)
+    return reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, dtype, protocol=protocol)
 
 
 def _tree_sum(parts: jax.Array) -> jax.Array:

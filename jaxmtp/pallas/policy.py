@@ -73,14 +73,20 @@ class KernelPolicy:
     output_split_max_splits: int = 4  # at most this many splits there
 
     # tensor parallelism's one-shot mode (jaxmtp.pallas.allreduce_oneshot): a block's output reduced over the ranks,
-    # added to the residual stream and normed in one launch (else the all-reduce kernel, then the add + norm kernel:
-    # faster as measured, docs/performance.md); the fused kernel's programs per row (1, or 0: one per chunk of the
-    # row) and warps per program; and whether the all-reduce kernel takes a product's split-K parts or its bf16
-    # output as they are (summed and widened inside: no launch of its own for either; the same values)
-    oneshot_fused: bool = False
-    oneshot_row_programs: int = 1
-    oneshot_row_num_warps: int = 4
+    # added to the residual stream and normed in one launch (else the all-reduce kernel, then the add + norm kernel);
+    # the fused kernel's programs per row (1, or 0: one per chunk of the row, which share their square sums) and
+    # warps per program: the fastest of the ways measured at 1-128 rows and in the 27B step at TP 2 and 4
+    # (docs/performance.md, "The one-shot reduction"); and whether the all-reduce kernel, where the fused one does
+    # not apply, takes a product's split-K parts or its bf16 output as they are (summed and widened inside: no
+    # launch of its own for that sum or a conversion; measured within noise of the widened sum, so off)
+    oneshot_fused: bool = True
+    oneshot_row_programs: int = 0
+    oneshot_row_num_warps: int = 8
     oneshot_parts: bool = False
+    # ... and how their ranks learn that their peers' values have arrived: a flag per peer raised after the values
+    # (release / acquire at system scope), or the Lamport protocol (each value its own signal, polled until it is no
+    # longer -0.0, the empty mark; no flag, no fence): not yet measured, so off
+    oneshot_lamport: bool = False
 
     # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
     attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
