@@ -369,8 +369,9 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     """The shipped model at tensor_parallel_size=tp in float32: greedy tokens, plain and k = 3, with the one-shot
     all-reduce kernel (given the products' outputs summed and widened, or as they are), and with the fused kernel
     (each block's output reduced, added and normed in one launch; one program per row and one per chunk; the
-    flags or the Lamport protocol), equal those with lax.psum. At TP 4 the two-launch path and the fused kernel's
-    per-chunk mode only (time)."""
+    flags or the Lamport protocol), equal those with lax.psum, and those equal one GPU's (the sums over the ranks
+    in another order than one device's, float32). At TP 4 the two-launch path and the fused kernel's per-chunk mode
+    only (time)."""
     import jaxmtp
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -386,8 +387,9 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=0,oneshot_lamport=1")]
     if tp > 2:
         variants = [variants[0], variants[1], variants[4], variants[5]]
-    for reduce, spec in variants:
-        model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=tp, tensor_parallel_reduce=reduce)
+    for size, reduce, spec in [(1, "one GPU", "")] + [(tp, r, sp) for r, sp in variants]:
+        model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=size,
+                            tensor_parallel_reduce="auto" if size == 1 else reduce)
         model = variant_model(model, spec)
         prompts = prompts or [model.tokenizer.encode(p).ids for p in PROMPTS]
         for k in (0, 3):
@@ -396,3 +398,5 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     for reduce, spec in variants[1:]:
         for k in (0, 3):
             assert out[reduce, spec, k] == out["psum", "", k], (reduce, spec, k)
+    for k in (0, 3):
+        assert out["psum", "", k] == out["one GPU", "", k], k
