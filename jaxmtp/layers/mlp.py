@@ -52,4 +52,4 @@ def moe_mlp(p, cfg: Qwen35Config, x, backend: Backend = XLA) -> jax.Array:
     routed = ops.moe_experts(x2, weights.astype(x.dtype), experts, ex["gate_up_proj"], ex["down_proj"], backend)
     shared = ops.form(dense_mlp(p["shared_expert"], x2, backend, reduce=False), backend)
     shared = jax.nn.sigmoid((x2 @ p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
-    return ops.tp_sum(routed + shared, backend).reshape(shape)
+    return ops.tp_sum((routed + shared).reshape(shape), backend)

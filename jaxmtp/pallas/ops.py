@@ -168,12 +168,17 @@ def _fused_reduce_applies(y, tp, backend: Backend) -> bool:
 
 
 def tp_sum(y, backend: Backend):
-    """``y`` summed over the tensor-parallel ranks in the psum mode (an MoE layer's routed + shared partials); as it
-    is on one device and in the fixed mode, whose products reduce themselves."""
+    """``y`` summed over the tensor-parallel ranks (an MoE layer's routed + shared partials, [..., H]); as it is on
+    one device and in the fixed mode, whose products reduce themselves. Where the one-shot kernel that also adds and
+    norms takes it, ``y`` goes on unreduced (an :class:`Unreduced` for the next residual add + norm), as a dense
+    block's output does (:func:`output_product`)."""
     tp = backend.parallel
     if not tp.active or tp.fixed:
         return y
-    return _collectives.reduce_sum(dense(y), tp, protocol=_protocol(backend))
+    y = dense(y)
+    if _fused_reduce_applies(y, tp, backend):
+        return Unreduced(y[None], y.dtype, tp, _protocol(backend))
+    return _collectives.reduce_sum(y, tp, protocol=_protocol(backend))
 
 
 def _protocol(backend: Backend) -> str:
