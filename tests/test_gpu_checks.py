@@ -400,3 +400,34 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
             assert out[reduce, spec, k] == out["psum", "", k], (reduce, spec, k)
     for k in (0, 3):
         assert out["psum", "", k] == out["one GPU", "", k], k
+
+
+def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
+    """A random MoE model (preset ``tiny-moe``: every layer's routed + shared output and the MoE MTP layer's go to
+    the fused one-shot kernel) at TP 2 in float32: logits and teacher-forced draft logits over random ids equal the
+    psum mode's bit for bit (a + b either way), and the greedy tokens, plain and k = 3, are the same, with either
+    protocol."""
+    from jaxmtp.benchmarking import variant_model
+    from jaxmtp.engine import Engine
+    from jaxmtp.parallel import with_reduce
+    from jaxmtp.serving.random_model import random_model
+
+    _two_gpus_with_jax_triton(monkeypatch)
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 512, (3, 11))
+    prompts = [list(rng.integers(0, 512, n)) for n in (5, 9, 13)]
+    out = {}
+    base = random_model("tiny-moe", "float32", seed=3, tensor_parallel_size=2, tensor_parallel_reduce="psum")
+    for reduce, spec in [("psum", ""), ("oneshot", "oneshot_fused=1,oneshot_row_programs=0"),
+                         ("oneshot", "oneshot_fused=1,oneshot_row_programs=0,oneshot_lamport=1")]:
+        model = variant_model(base if reduce == "psum" else with_reduce(base, reduce), spec)  # the same weights
+        tokens = []
+        for k in (0, 3):
+            eng = Engine(model, num_draft_tokens=k, num_slots=len(prompts), max_context=96, check_memory=False)
+            tokens.append(checks.greedy_outputs(eng, prompts, 24)[0])
+        out[spec] = (model.logits(ids), model.draft_logits(ids), tokens)
+    want = out[""]
+    for spec, got in out.items():
+        np.testing.assert_array_equal(got[0], want[0], err_msg=spec)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=spec)
+        assert got[2] == want[2], spec

@@ -4,7 +4,8 @@
 1 gated attention, 8/2 attention heads of 256, 16/16 GDN heads of 128, MLP 3584, vocabulary 248320, tied embeddings,
 one MTP layer) with ``jaxmtp.model.init_params`` weights and no tokenizer (prompts are token ids). Its MTP head is
 random too, so drafts are almost never accepted: speculation costs are measured, its gains are not. ``"tiny"`` is a
-small model of the same layout for CPU smoke tests of the benchmark path.
+small model of the same layout for CPU smoke tests of the benchmark path, ``"tiny-moe"`` its MoE twin (8 experts,
+top-2, a shared expert, an MoE MTP layer).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
                  linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
+    "tiny-moe": dict(family="qwen3_5_moe", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                     moe_layers=(True,) * 4),
 }
 
 
@@ -42,7 +48,8 @@ def random_config(name: str) -> Qwen35Config:
         raise ValueError(f"unknown random model {name!r}; choose one of {sorted(PRESETS) + shapes.names()}")
     kw = dict(PRESETS[name])
     n = kw["num_hidden_layers"]
-    return Qwen35Config(family="qwen3_5", layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
+    family = kw.pop("family", "qwen3_5")
+    return Qwen35Config(family=family, layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
                         rope_theta=10_000_000.0, partial_rotary_factor=0.25, mtp_num_hidden_layers=1,
                         eos_token_ids=(), **kw)
 
