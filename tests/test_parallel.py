@@ -384,15 +384,16 @@ def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values
     np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kind,knobs", [("dense", ("oneshot_fused",)), ("dense", ("oneshot_parts",)),
-                                        ("dense", ("oneshot_fused", "oneshot_lamport")), ("moe", ("oneshot_fused",))])
+@pytest.mark.parametrize("kind,knobs", [("moe", ("oneshot_fused",)), ("dense", ("oneshot_parts",)),
+                                        ("dense", ("oneshot_fused", "oneshot_lamport"))])
 def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_them(wide, rng, monkeypatch, kind,
                                                                                      knobs):
     """The one-shot mode's options route each block's output (two per layer) to a kernel with nothing summed
     before it: ``oneshot_fused``: unreduced to the kernel that reduces, adds and norms it
     (jaxmtp.pallas.allreduce_oneshot.add_rms_norm); ``oneshot_parts``: as its split-K parts to the all-reduce kernel
     (``allreduce(..., parts=True)``); ``oneshot_lamport`` has them run the Lamport protocol. An MoE layer's routed +
-    shared output goes to the fused kernel as a dense block's does. The kernels need CUDA,
+    shared output goes to the fused kernel as a mixer's output does (the MoE case covers the fused path with the
+    default protocol). The kernels need CUDA,
     so here they are replaced by their psum references (checked against those on the GPU,
     tests/test_gpu_checks.py): logits and a speculative engine's tokens (k = 3) equal the psum mode's, with the norm
     kernel (interpreted) in both."""
