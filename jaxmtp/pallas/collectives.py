@@ -80,23 +80,15 @@ def rank(tp: TensorParallel) -> jax.Array:
 
 
 def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
-    """The sum over ranks of the local partial ``y`` (float32), as ``dtype`` (default y's); ``protocol``: the one-shot
-    kernel's (:func:`jaxmtp.pallas.allreduce_oneshot.allreduce`)."""
-    dtype = dtype or y.dtype
-    if not tp.active:
-        return y.astype(dtype)
-    if tp.reduce == "oneshot" and tp.size > 1:
-        from jaxmtp.pallas import allreduce_oneshot
-
-        if y.size <= allreduce_oneshot.CAPACITY:
-            return allreduce_oneshot.allreduce(y, tp.axis, tp.size, tp.peers, protocol=protocol).astype(dtype)
-    return jax.lax.psum(y.astype(jnp.float32), tp.axis).astype(dtype)
+    """The sum over ranks of the local partial ``y`` (any float dtype, summed in float32), as ``dtype`` (default
+    y's); ``protocol``: the one-shot kernel's (:func:`jaxmtp.pallas.allreduce_oneshot.allreduce`)."""
+    return reduce_parts(y[None], tp, dtype or y.dtype, protocol=protocol)
 
 
 def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
     """:func:`reduce_sum` of a local partial given as ``parts [P, ...]`` (any float dtype), summed in part order
-    (:func:`jaxmtp.pallas._common.sum_parts`) in float32; the one-shot kernel sums them itself, with no launch of
-    their own. As ``dtype`` (default float32)."""
+    (:func:`jaxmtp.pallas._common.sum_parts`) in float32; the one-shot kernel sums and widens them itself, with no
+    launch of their own. As ``dtype`` (default float32)."""
     from jaxmtp.pallas._common import sum_parts
 
     dtype = dtype or jnp.float32
@@ -106,7 +98,8 @@ def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None, *, protocol: 
         if parts[0].size <= allreduce_oneshot.CAPACITY:
             return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True,
                                                protocol=protocol).astype(dtype)
-    return reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, dtype, protocol=protocol)
+    total = sum_parts(parts.astype(jnp.float32))
+    return (jax.lax.psum(total, tp.axis) if tp.active else total).astype(dtype)
 
 
 def _tree_sum(parts: jax.Array) -> jax.Array:
