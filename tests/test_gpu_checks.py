@@ -227,11 +227,9 @@ def _rounded(v, dtype):
 def _rank_order_sum(y, axis):
     """The float32 sum over the ranks of ``axis`` in rank order, as the one-shot kernels add (lax.psum on more than
     two ranks may add in another order)."""
-    g = jax.lax.all_gather(y.astype(jnp.float32), axis)
-    total = g[0]
-    for i in range(1, g.shape[0]):
-        total = total + g[i]
-    return total
+    from jaxmtp.pallas._common import sum_parts
+
+    return sum_parts(jax.lax.all_gather(y.astype(jnp.float32), axis))
 
 
 def _two_gpus_with_jax_triton(monkeypatch):

@@ -260,21 +260,20 @@ def _kernel():
             peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
             stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + me) * CAP
             tl.store(stage + offs, x, mask=mask & (me != p))
-        acc = tl.zeros((BLOCK,), tl.float32)
         if LAMPORT:
             late = c * 0
-            for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
-                stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
-                v, missing = take(stage + offs, mask & (me != p), SPIN_LIMIT)
-                late += missing
-                acc += tl.where(me == p, x, v)
         else:
             late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS,
                                    SPIN_LIMIT)
-            for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
-                stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
+            stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
+            if LAMPORT:
+                v, missing = take(stage + offs, mask & (me != p), SPIN_LIMIT)
+                late += missing
+            else:
                 v = tl.load(stage + offs, mask=mask & (me != p), other=0.0, cache_modifier=".cg")
-                acc += tl.where(me == p, x, v)
+            acc += tl.where(me == p, x, v)
         tl.store(out_ptr + offs, tl.where(late == 0, acc, float("nan")), mask=mask)
         tl.store(counter, e)
 
@@ -352,17 +351,17 @@ def _row_kernel():
         mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
         sq = tl.zeros((C,), tl.float32)
         for j in tl.static_range(CPP):
-            if LAMPORT:
-                total, missing = take(mine_stage + j * C + cols, cols < C, SPIN_LIMIT)
-                late += missing
-                for p in tl.static_range(1, N):
-                    v, missing = take(mine_stage + p * area + j * C + cols, cols < C, SPIN_LIMIT)
-                    total += v
+            for p in tl.static_range(N):
+                slot = mine_stage + p * area + j * C + cols
+                if LAMPORT:
+                    v, missing = take(slot, cols < C, SPIN_LIMIT)
                     late += missing
-            else:
-                total = tl.load(mine_stage + j * C + cols, cache_modifier=".cg")
-                for p in tl.static_range(1, N):
-                    total += tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
+                else:
+                    v = tl.load(slot, cache_modifier=".cg")
+                if p == 0:
+                    total = v
+                else:
+                    total += v
             x = tl.load(x_ptr + row + j * C + cols)
             s = (x.to(tl.float32) + total.to(x.dtype).to(tl.float32)).to(x.dtype)
             s = tl.where(late == 0, s, float("nan")).to(x.dtype)
