@@ -8,9 +8,7 @@ between, each call's output the next call's input; ``--unroll`` calls per iterat
 * ``oneshot``: the one-shot all-reduce kernel, then the add + norm kernel;
 * ``oneshot-parts``: the same with the partial handed over in bf16 (``parts=True``: widened in the kernel);
 * ``fused-pP-wN``: the fused kernel (:func:`jaxmtp.pallas.allreduce_oneshot.add_rms_norm`) at P programs per row
-  (1, or one per chunk of the row: ``c``) and N warps per program;
-
-each one-shot way with the flags protocol, and with ``-lamport`` appended, the Lamport protocol.
+  (1, or one per chunk of the row: ``c``) and N warps per program.
 
     python scripts/bench_oneshot.py --rows 1,4,32,128 --hidden 5120 --warps 4,8,16 --out results/oneshot.json
 
@@ -39,7 +37,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--warps", default="4,8,16")
     ap.add_argument("--programs", default="1,c", help="programs per row of the fused kernel: 1 and/or c (a chunk each)")
-    ap.add_argument("--protocols", default="flags,lamport", help="the one-shot kernels' protocols to time")
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--unroll", type=int, default=25,
                     help="calls per iteration of the loop (a GPU while loop's condition costs a device-to-host copy "
@@ -65,21 +62,17 @@ def main(argv=None) -> dict:
             return add_rms_norm_triton(x, SplitSum(total[None], x.dtype), w, eps)
         return step
 
-    def fused(num_warps, per_row, protocol):
+    def fused(num_warps, per_row):
         return lambda x, part: allreduce_oneshot.add_rms_norm(x, part, w, eps, "tp", n, peers, num_warps=num_warps,
-                                                              one_program_per_row=per_row, protocol=protocol)
+                                                              one_program_per_row=per_row)
 
     ways = {"local": two_steps(lambda p: p[0].astype(jnp.float32)),  # no reduction: the floor of the others
-            "psum": two_steps(lambda p: allreduce_oneshot.reference(p[0], "tp"))}
-    for proto in args.protocols.split(","):
-        tag = "" if proto == "flags" else f"-{proto}"
-        ways[f"oneshot{tag}"] = (lambda proto: two_steps(
-            lambda p: allreduce_oneshot.allreduce(p[0], "tp", n, peers, protocol=proto)))(proto)
-        ways[f"oneshot-parts{tag}"] = (lambda proto: two_steps(
-            lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True, protocol=proto)))(proto)
-        for ppr in args.programs.split(","):
-            for nw in (int(v) for v in args.warps.split(",")):
-                ways[f"fused-p{ppr}-w{nw}{tag}"] = fused(nw, ppr == "1", proto)
+            "psum": two_steps(lambda p: allreduce_oneshot.reference(p[0], "tp")),
+            "oneshot": two_steps(lambda p: allreduce_oneshot.allreduce(p[0], "tp", n, peers)),
+            "oneshot-parts": two_steps(lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True))}
+    for ppr in args.programs.split(","):
+        for nw in (int(v) for v in args.warps.split(",")):
+            ways[f"fused-p{ppr}-w{nw}"] = fused(nw, ppr == "1")
 
     def chained(step):
         def f(x, noise):

@@ -240,9 +240,8 @@ def _two_gpus_with_jax_triton(monkeypatch):
     monkeypatch.setattr(allreduce_oneshot, "SPIN_LIMIT", 1 << 18)  # a broken protocol: NaN in ~0.1 s, not a hang
 
 
-@pytest.mark.parametrize("protocol", ["flags", "lamport"])
 @pytest.mark.parametrize("numel", [5120, 4 * 5120, 128 * 5120, 3001])
-def test_oneshot_allreduce_equals_psum(numel, protocol, monkeypatch):
+def test_oneshot_allreduce_equals_psum(numel, monkeypatch):
     """The one-shot all-reduce (jaxmtp.pallas.allreduce_oneshot) against lax.psum over every GPU of the host, 300
     calls chained in one loop (counters and both staging parities wrap many times, calls of every size share the
     workspace): bit for bit against the ranks' values gathered and added in rank order (on two GPUs that is psum's
@@ -263,7 +262,7 @@ def test_oneshot_allreduce_equals_psum(numel, protocol, monkeypatch):
 
     x = jax.device_put(np.random.default_rng(numel).standard_normal((n, numel)).astype(np.float32),
                        NamedSharding(mesh, P("tp")))
-    got = np.asarray(chain(lambda y: allreduce_oneshot.allreduce(y, "tp", n, peers, protocol=protocol))(x))
+    got = np.asarray(chain(lambda y: allreduce_oneshot.allreduce(y, "tp", n, peers))(x))
     want = np.asarray(chain(lambda y: _rank_order_sum(y, "tp"))(x))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, want)
@@ -271,9 +270,8 @@ def test_oneshot_allreduce_equals_psum(numel, protocol, monkeypatch):
     del ws
 
 
-@pytest.mark.parametrize("protocol", ["flags", "lamport"])
 @pytest.mark.parametrize("numel,nparts,dtype", [(5120, 1, "bfloat16"), (4 * 5120, 3, "float32"), (3001, 2, "bfloat16")])
-def test_oneshot_allreduce_of_split_k_parts_equals_psum(numel, nparts, dtype, protocol, monkeypatch):
+def test_oneshot_allreduce_of_split_k_parts_equals_psum(numel, nparts, dtype, monkeypatch):
     """The all-reduce kernel given a rank's value as split-K parts in their own dtype (``parts=True``, the policy's
     ``oneshot_parts``: summed and widened inside) against their part-order sum's psum, 300 calls chained in one
     loop: bit for bit against the part sums gathered and added in rank order."""
@@ -296,8 +294,7 @@ def test_oneshot_allreduce_of_split_k_parts_equals_psum(numel, nparts, dtype, pr
             return jax.lax.fori_loop(0, 300, body, jnp.zeros((numel,), jnp.float32))
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
 
-    got = np.asarray(chain(lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True, protocol=protocol))(
-        noise))
+    got = np.asarray(chain(lambda p: allreduce_oneshot.allreduce(p, "tp", n, peers, parts=True))(noise))
     want = np.asarray(chain(lambda p: _rank_order_sum(sum_parts(p.astype(jnp.float32)), "tp"))(noise))
     got, want = got.reshape(n, numel), want.reshape(n, numel)
     assert np.isfinite(got).all() and np.array_equal(got[0], got[-1])
@@ -308,9 +305,7 @@ def test_oneshot_allreduce_of_split_k_parts_equals_psum(numel, nparts, dtype, pr
 @pytest.mark.parametrize("rows,hdim,nparts,parts_dtype,dtype", [
     (1, 5120, 1, "bfloat16", "bfloat16"), (4, 5120, 3, "float32", "bfloat16"), (128, 5120, 1, "bfloat16", "bfloat16"),
     (5, 2048, 2, "float32", "float32")])
-@pytest.mark.parametrize("protocol", ["flags", "lamport"])
-def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, nparts, parts_dtype, dtype, protocol,
-                                                               monkeypatch):
+def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, nparts, parts_dtype, dtype, monkeypatch):
     """The fused one-shot reduce + residual add + norm (allreduce_oneshot.add_rms_norm) against the psum mode's two
     steps (lax.psum of the part sums, then the add + norm kernel), 200 calls chained in one loop (each call's s is
     the next call's residual and enters its parts), with one program per row and one per chunk, the ranks' sums
@@ -335,7 +330,7 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
 
     def fused(per_row):
         return lambda x, parts: allreduce_oneshot.add_rms_norm(x, parts, w, 1e-6, "tp", n, peers,
-                                                               one_program_per_row=per_row, protocol=protocol)
+                                                               one_program_per_row=per_row)
 
     def two_steps(x, parts):
         total = _rank_order_sum(sum_parts(parts.astype(jnp.float32)), "tp")
@@ -366,8 +361,8 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
 def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     """The shipped model at tensor_parallel_size=tp in float32: greedy tokens, plain and k = 3, with the one-shot
     all-reduce kernel (given the products' outputs summed and widened, or as they are), and with the fused kernel
-    (each block's output reduced, added and normed in one launch; one program per row and one per chunk; the
-    flags or the Lamport protocol), equal those with lax.psum, and those equal one GPU's (the sums over the ranks
+    (each block's output reduced, added and normed in one launch; one program per row and one per chunk), equal
+    those with lax.psum, and those equal one GPU's (the sums over the ranks
     in another order than one device's, float32). At TP 4 the two-launch path and the fused kernel's per-chunk mode
     only (time)."""
     import jaxmtp
@@ -381,10 +376,9 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     out = {}
     variants = [("psum", ""), ("oneshot", "oneshot_fused=0"), ("oneshot", "oneshot_fused=0,oneshot_parts=1"),
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=1"),
-                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0"),
-                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0,oneshot_lamport=1")]
+                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0")]
     if tp > 2:
-        variants = [variants[0], variants[1], variants[4], variants[5]]
+        variants = [variants[0], variants[1], variants[4]]
     for size, reduce, spec in [(1, "one GPU", "")] + [(tp, r, sp) for r, sp in variants]:
         model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=size,
                             tensor_parallel_reduce="auto" if size == 1 else reduce)
@@ -403,8 +397,8 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
 def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
     """A random MoE model (preset ``tiny-moe``: every layer's routed + shared output and the MoE MTP layer's go to
     the fused one-shot kernel) at TP 2 in float32: logits and teacher-forced draft logits over random ids equal the
-    psum mode's bit for bit (a + b either way), and the greedy tokens, plain and k = 3, are the same, with either
-    protocol."""
+    psum mode's bit for bit (a + b either way), and so are the greedy tokens of a speculative engine (k = 3: its
+    verify window and its draft rows reduced by the kernel; the plain step's rows are the dense test's)."""
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
     from jaxmtp.parallel import with_reduce
@@ -416,14 +410,10 @@ def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
     prompts = [list(rng.integers(0, 512, n)) for n in (5, 9, 13)]
     out = {}
     base = random_model("tiny-moe", "float32", seed=3, tensor_parallel_size=2, tensor_parallel_reduce="psum")
-    for reduce, spec in [("psum", ""), ("oneshot", "oneshot_fused=1,oneshot_row_programs=0"),
-                         ("oneshot", "oneshot_fused=1,oneshot_row_programs=0,oneshot_lamport=1")]:
+    for reduce, spec in [("psum", ""), ("oneshot", "oneshot_fused=1,oneshot_row_programs=0")]:
         model = variant_model(base if reduce == "psum" else with_reduce(base, reduce), spec)  # the same weights
-        tokens = []
-        for k in (0, 3):
-            eng = Engine(model, num_draft_tokens=k, num_slots=len(prompts), max_context=96, check_memory=False)
-            tokens.append(checks.greedy_outputs(eng, prompts, 24)[0])
-        out[spec] = (model.logits(ids), model.draft_logits(ids), tokens)
+        eng = Engine(model, num_draft_tokens=3, num_slots=len(prompts), max_context=96, check_memory=False)
+        out[spec] = (model.logits(ids), model.draft_logits(ids), checks.greedy_outputs(eng, prompts, 24)[0])
     want = out[""]
     for spec, got in out.items():
         np.testing.assert_array_equal(got[0], want[0], err_msg=spec)

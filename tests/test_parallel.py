@@ -384,29 +384,26 @@ def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values
     np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kind,knobs", [("moe", ("oneshot_fused",)), ("dense", ("oneshot_parts",)),
-                                        ("dense", ("oneshot_fused", "oneshot_lamport"))])
+@pytest.mark.parametrize("kind,knobs", [("moe", ("oneshot_fused",)), ("dense", ("oneshot_parts",))])
 def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_them(wide, rng, monkeypatch, kind,
                                                                                      knobs):
     """The one-shot mode's options route each block's output (two per layer) to a kernel with nothing summed
     before it: ``oneshot_fused``: unreduced to the kernel that reduces, adds and norms it
     (jaxmtp.pallas.allreduce_oneshot.add_rms_norm); ``oneshot_parts``: as its split-K parts to the all-reduce kernel
-    (``allreduce(..., parts=True)``); ``oneshot_lamport`` has them run the Lamport protocol. An MoE layer's routed +
-    shared output goes to the fused kernel as a mixer's output does (the MoE case covers the fused path with the
-    default protocol). The kernels need CUDA,
-    so here they are replaced by their psum references (checked against those on the GPU,
+    (``allreduce(..., parts=True)``). An MoE layer's routed + shared output goes to the fused kernel as a mixer's
+    output does (the MoE case covers the fused path). The kernels need CUDA, so here they are replaced by their psum references (checked against those on the GPU,
     tests/test_gpu_checks.py): logits and a speculative engine's tokens (k = 3) equal the psum mode's, with the norm
     kernel (interpreted) in both."""
     from jaxmtp.pallas import allreduce_oneshot
 
     calls = []
 
-    def fused(x, parts, weight, eps, axis, ranks, peers, *, protocol="flags", **launch):
-        calls.append((parts.shape, protocol))
+    def fused(x, parts, weight, eps, axis, ranks, peers, **launch):
+        calls.append(parts.shape)
         return allreduce_oneshot.row_reference(x, parts, weight, eps, axis)
 
-    def allreduce(y, axis, ranks, peers, *, parts=False, protocol="flags"):
-        calls.append((y.shape, protocol)) if parts else None
+    def allreduce(y, axis, ranks, peers, *, parts=False):
+        calls.append(y.shape) if parts else None
         return allreduce_oneshot.reference(y, axis, parts=parts)
 
     monkeypatch.setattr(allreduce_oneshot, "add_rms_norm", fused)
@@ -422,8 +419,7 @@ def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_t
     psum, oneshot = variant("psum"), variant("oneshot")
     ids = rng.integers(0, base.config.vocab_size, (2, 7))
     np.testing.assert_allclose(oneshot.logits(ids), psum.logits(ids), rtol=1e-5, atol=1e-5)
-    protocol = "lamport" if "oneshot_lamport" in knobs else "flags"
-    assert calls == [((1, 2, 7, base.config.hidden_size), protocol)] * (2 * base.config.num_hidden_layers)
+    assert calls == [(1, 2, 7, base.config.hidden_size)] * (2 * base.config.num_hidden_layers)
     prompts = _prompts(rng, 3, base.config.vocab_size)
     tokens = [_run(m, prompts, 3, _params(3), state=False)[0] for m in (oneshot, psum)]
     assert tokens[0] == tokens[1]

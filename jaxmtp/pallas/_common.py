@@ -37,13 +37,12 @@ class Unreduced:
     """A block's output under tensor parallelism left unreduced for the one-shot kernel that reduces it, adds it to
     the residual stream and norms it in one launch (:func:`jaxmtp.pallas.allreduce_oneshot.add_rms_norm`):
     ``parts [P, ..., N]``, this rank's output as P split-K parts (any float dtype); its value is the sum over the
-    ranks of ``tp`` (a :class:`jaxmtp.pallas.collectives.TensorParallel`) of their part sums, rounded to ``dtype``;
-    ``protocol``: the one-shot kernels' (:data:`jaxmtp.pallas.allreduce_oneshot.PROTOCOLS`)."""
+    ranks of ``tp`` (a :class:`jaxmtp.pallas.collectives.TensorParallel`) of their part sums, rounded to
+    ``dtype``."""
 
     parts: jax.Array
     dtype: Any = struct.field(pytree_node=False)
     tp: Any = struct.field(pytree_node=False)
-    protocol: str = struct.field(pytree_node=False, default="flags")
 
     @property
     def shape(self) -> tuple:
@@ -67,7 +66,7 @@ def dense(y):
     if isinstance(y, Unreduced):
         from jaxmtp.pallas.collectives import reduce_sum
 
-        return reduce_sum(sum_parts(y.parts.astype(jnp.float32)), y.tp, y.dtype, protocol=y.protocol)
+        return reduce_sum(sum_parts(y.parts.astype(jnp.float32)), y.tp, y.dtype)
     return y
 
 

@@ -19,13 +19,9 @@ The protocol (per kernel program ``c``, which always owns elements ``[c B, (c+1)
 * two parities suffice: a peer can write parity ``e & 1`` again only in call ``e + 2``, which needs this rank's
   flag of call ``e + 1``, raised after this rank's call ``e`` finished reading.
 
-The Lamport protocol (``protocol="lamport"``, the kernel policy's ``oneshot_lamport``; not yet measured, so off)
-drops the flags and the release / acquire pair at system scope: its staging slots start as -0.0 (:data:`EMPTY`), a
-rank sends -0.0 as +0.0, and a reader polls its slots with volatile loads until none holds -0.0, a 4-byte value
-arriving whole, then sets them to -0.0 again. Two parities suffice as above: a peer's call ``e + 2`` follows its call
-``e + 1``, which needed this rank's values of call ``e + 1``, sent after this rank's call ``e`` (and its emptying)
-ended. It has counters and staging of its own in the workspace, so the two protocols may alternate on one
-workspace (the benchmarks do). The sums are the flags protocol's, but for the sign of a zero.
+A Lamport-style protocol (no flags and no fences: the staged values are their own signal, polled until none holds
+the empty mark) times within 2% of this one in the 27B step on two H200s (docs/performance.md, "The one-shot
+reduction"), so the kernels keep one protocol and half the workspace.
 
 A program spins on its peers' flags, so every program of a call must be resident at once: at most
 :data:`MAX_PROGRAMS` (1024 programs of 4 warps; an H100 holds 2112). Larger tensors (prefill chunks) take
@@ -71,12 +67,8 @@ _ROW_COUNTERS = _FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # the fused kernel's coun
 _ROW_FLAGS = _ROW_COUNTERS + 4 * MAX_PROGRAMS  # flags [ranks, programs],
 _ROW_SYNC = _ROW_FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # per row a call count and two arrival counters [rows, 4]
 _ROW_SQUARES = _ROW_SYNC + 16 * MAX_ROWS  # and the square sums of its programs [rows, 16] float32;
-_LAMPORT_COUNTERS = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the Lamport protocol's counters, plain then fused [2, programs]
-_STAGING = _LAMPORT_COUNTERS + 8 * MAX_PROGRAMS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
-# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`); then both again for the Lamport protocol, whose
-# empty slots hold -0.0 (:func:`_sections`)
-EMPTY = -(2**31)  # int32 bits of float32 -0.0: the Lamport protocol's mark of a slot not yet written
-PROTOCOLS = ("flags", "lamport")
+_STAGING = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
+# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`)
 SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer that never comes: a bug, not a hang;
 # tests lower it, so that a broken protocol fails in a second instead of a minute per call)
 
@@ -85,26 +77,9 @@ def _row_staging(ranks: int) -> int:
     return _STAGING + 2 * ranks * CAPACITY * 4
 
 
-def _lamport_staging(ranks: int) -> int:
-    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
-
-
-def _sections(ranks: int, protocol: str) -> dict:
-    """Byte offsets of a protocol's regions in a workspace: the plain kernel's counters, flags and staging, the fused
-    kernel's counters, flags and staging (the Lamport protocol has no flags: it keeps the flags protocol's, unused)."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"the one-shot protocol is one of {PROTOCOLS}, not {protocol!r}")
-    if protocol == "flags":
-        return dict(counters=0, flags=_FLAGS, staging=_STAGING, row_counters=_ROW_COUNTERS, row_flags=_ROW_FLAGS,
-                    row_staging=_row_staging(ranks))
-    plain = _lamport_staging(ranks)
-    return dict(counters=_LAMPORT_COUNTERS, flags=_FLAGS, staging=plain, row_counters=_LAMPORT_COUNTERS
-                + 4 * MAX_PROGRAMS, row_flags=_ROW_FLAGS, row_staging=plain + 2 * ranks * CAPACITY * 4)
-
-
 def workspace_bytes(ranks: int) -> int:
     """Device bytes of one rank's workspace."""
-    return _lamport_staging(ranks) + 2 * ranks * (CAPACITY + MAX_ROWS * ROW_STRIDE) * 4
+    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
 
 
 def available() -> bool:
@@ -121,15 +96,8 @@ def available() -> bool:
     return bool(getattr(triton_lib, "CAN_USE_TRITON", False))
 
 
-def initial_words(ranks: int) -> np.ndarray:
-    """A new workspace's contents as int32 words: zero (no calls made), the Lamport protocol's slots empty."""
-    words = np.zeros(workspace_bytes(ranks) // 4, np.int32)
-    words[_lamport_staging(ranks) // 4:] = EMPTY
-    return words
-
-
 def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
-    """New workspaces (:func:`initial_words`), one per device of ``mesh`` (any shape), and their device addresses
+    """New workspaces (zero: no calls made), one per device of ``mesh`` (any shape), and their device addresses
     in the mesh's flat order (padded with 0 to :data:`MAX_RANKS`). Keep the array alive while a kernel may use the
     addresses."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -139,7 +107,7 @@ def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
         raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} devices, not {len(devices)}")
     tp = mesh.shape["tp"]
     flat = jax.sharding.Mesh(np.asarray(devices), ("all",))
-    ws = jax.device_put(np.tile(initial_words(tp), (len(devices), 1)), NamedSharding(flat, P("all")))
+    ws = jax.device_put(np.zeros((len(devices), workspace_bytes(tp) // 4), np.int32), NamedSharding(flat, P("all")))
     by_device = {s.device: s.data.unsafe_buffer_pointer() for s in ws.addressable_shards}
     addrs = tuple(by_device[d] for d in devices) + (0,) * (MAX_RANKS - len(devices))
     return ws, addrs
@@ -207,46 +175,21 @@ def _signal_and_wait():
 
 
 @functools.cache
-def _take():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def take(slot, mask, SPIN_LIMIT: tl.constexpr):
-        """The Lamport protocol's read of the float32 ``slot`` block (a block of pointers into this rank's staging):
-        polls until none of its ``mask`` elements is -0.0 (empty), then empties it for the call two after this one.
-        Returns the values and how many elements never came (SPIN_LIMIT polls). No flag and no fence: each element
-        is its own signal, as a 4-byte store arrives whole."""
-        v = tl.load(slot, mask=mask, other=0.0, volatile=True)
-        missing = tl.sum(((v.to(tl.int32, bitcast=True) == -2147483648) & mask).to(tl.int32), 0)
-        polls = missing * 0
-        while (missing > 0) & (polls < SPIN_LIMIT):
-            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
-            missing = tl.sum(((v.to(tl.int32, bitcast=True) == -2147483648) & mask).to(tl.int32), 0)
-            polls += 1
-        tl.store(slot, tl.full(v.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True), mask=mask)
-        return v, missing
-
-    return take
-
-
-@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
-    pick, signal_and_wait, take = _pick(), _signal_and_wait(), _take()
+    pick, signal_and_wait = _pick(), _signal_and_wait()
 
     @triton.jit
     def oneshot(x_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, out_ptr, NUMEL: tl.constexpr, N: tl.constexpr,
                 CAP: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, FLAGS: tl.constexpr,
-                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, P: tl.constexpr = 1, COUNTERS: tl.constexpr = 0,
-                LAMPORT: tl.constexpr = 0):
+                STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, P: tl.constexpr):
         c = tl.program_id(0)
         me = tl.load(rank_ptr)  # rank on the tp axis
         group = tl.load(rank_ptr + 1)  # flat mesh index of rank 0 of this tp group
         mine = pick(group + me, s0, s1, s2, s3, s4, s5, s6, s7)
-        counter = (mine + COUNTERS).to(tl.pointer_type(tl.int32)) + c
+        counter = mine.to(tl.pointer_type(tl.int32)) + c  # the workspace's first section: the counters
         e = tl.load(counter, volatile=True) + 1
         parity = e & 1  # (not e % 2: e wraps past 2^31 after a few days of steps, and a negative e % 2 is -1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -254,25 +197,15 @@ def _kernel():
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         for i in tl.static_range(1, P):  # this rank's split-K parts, summed in part order
             x += tl.load(x_ptr + i * NUMEL + offs, mask=mask, other=0.0).to(tl.float32)
-        if LAMPORT:  # -0.0 marks an empty slot: a -0.0 goes as +0.0 (the same sums, but for a zero's sign)
-            x = tl.where(x == 0.0, 0.0, x)
         for p in tl.static_range(N):
             peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
             stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + me) * CAP
             tl.store(stage + offs, x, mask=mask & (me != p))
-        if LAMPORT:
-            late = c * 0
-        else:
-            late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS,
-                                   SPIN_LIMIT)
+        late = signal_and_wait(me, group, mine, c, e, s0, s1, s2, s3, s4, s5, s6, s7, N, PROGRAMS, FLAGS, SPIN_LIMIT)
         acc = tl.zeros((BLOCK,), tl.float32)
         for p in tl.static_range(N):  # rank order: every rank sums the same values in the same order
             stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (parity * N + p) * CAP
-            if LAMPORT:
-                v, missing = take(stage + offs, mask & (me != p), SPIN_LIMIT)
-                late += missing
-            else:
-                v = tl.load(stage + offs, mask=mask & (me != p), other=0.0, cache_modifier=".cg")
+            v = tl.load(stage + offs, mask=mask & (me != p), other=0.0, cache_modifier=".cg")
             acc += tl.where(me == p, x, v)
         tl.store(out_ptr + offs, tl.where(late == 0, acc, float("nan")), mask=mask)
         tl.store(counter, e)
@@ -280,16 +213,13 @@ def _kernel():
     return oneshot
 
 
-def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, parts: bool = False,
-              protocol: str = "flags") -> jax.Array:
+def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, parts: bool = False) -> jax.Array:
     """The float32 sum of ``y`` (any shape, at most :data:`CAPACITY` elements) over the ``ranks`` ranks of mesh axis
     ``axis``, inside the step's ``shard_map``; ``peers``: the workspaces' addresses (:func:`allocate`). With
     ``parts``, ``y [P, ...]`` (any float dtype) is this rank's value as P split-K parts, summed in part order in the
-    kernel (:func:`reference`): no launch of its own for that sum or a conversion. ``protocol``: how a rank knows its
-    peers' values have arrived, ``"flags"`` or ``"lamport"`` (module doc)."""
+    kernel (:func:`reference`): no launch of its own for that sum or a conversion."""
     import jax_triton as jt
 
-    sec = _sections(ranks, protocol)
     shape = y.shape[1:] if parts else y.shape
     numel = int(np.prod(shape))
     if numel > CAPACITY:
@@ -298,8 +228,7 @@ def allreduce(y: jax.Array, axis: str, ranks: int, peers: tuple[int, ...], *, pa
         y.reshape(-1) if parts else y.astype(jnp.float32).reshape(-1), _rank_and_group(axis, ranks), *peers,
         kernel=_kernel(), out_shape=jax.ShapeDtypeStruct((numel,), jnp.float32), grid=(-(-numel // BLOCK),),
         num_warps=NUM_WARPS, num_stages=1, NUMEL=numel, N=ranks, CAP=CAPACITY, BLOCK=BLOCK, PROGRAMS=MAX_PROGRAMS,
-        FLAGS=sec["flags"], STAGING=sec["staging"], SPIN_LIMIT=SPIN_LIMIT, P=y.shape[0] if parts else 1,
-        COUNTERS=sec["counters"], LAMPORT=int(protocol == "lamport"))
+        FLAGS=_FLAGS, STAGING=_STAGING, SPIN_LIMIT=SPIN_LIMIT, P=y.shape[0] if parts else 1)
     return out.reshape(shape)
 
 
@@ -309,7 +238,7 @@ def _row_kernel():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    pick, signal_and_wait, take = _pick(), _signal_and_wait(), _take()
+    pick, signal_and_wait = _pick(), _signal_and_wait()
 
     @triton.jit
     def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
@@ -317,7 +246,7 @@ def _row_kernel():
                              P: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, STRIDE: tl.constexpr,
                              MAXROWS: tl.constexpr, MAXPROGS: tl.constexpr, COUNTERS: tl.constexpr,
                              FLAGS: tl.constexpr, ROWSYNC: tl.constexpr, SQUARES: tl.constexpr,
-                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, LAMPORT: tl.constexpr = 0):
+                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr):
         PPR: tl.constexpr = H // C // CPP  # programs per row, each CPP chunks of C
         g = tl.program_id(0)
         r = g // PPR
@@ -336,28 +265,17 @@ def _row_kernel():
             part = tl.load(y_ptr + row + j * C + cols).to(tl.float32)
             for i in tl.static_range(1, P):
                 part += tl.load(y_ptr + i * ROWS * H + row + j * C + cols).to(tl.float32)
-            if LAMPORT:  # -0.0 marks an empty slot: a -0.0 goes as +0.0
-                part = tl.where(part == 0.0, 0.0, part)
             for p in tl.static_range(N):
                 peer = pick(group + p, s0, s1, s2, s3, s4, s5, s6, s7)
                 stage = (peer + STAGING).to(tl.pointer_type(tl.float32)) + ((e & 1) * N + me) * area + base
                 tl.store(stage + j * C + cols, part)
-        if LAMPORT:
-            late = g * 0
-        else:
-            late = signal_and_wait(me, group, mine, g, e, s0, s1, s2, s3, s4, s5, s6, s7, N, MAXPROGS, FLAGS,
-                                   SPIN_LIMIT)
+        late = signal_and_wait(me, group, mine, g, e, s0, s1, s2, s3, s4, s5, s6, s7, N, MAXPROGS, FLAGS, SPIN_LIMIT)
         # the ranks' values summed in rank order, rounded to x's dtype, added to x: s; the squares of s summed
         mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
         sq = tl.zeros((C,), tl.float32)
         for j in tl.static_range(CPP):
             for p in tl.static_range(N):
-                slot = mine_stage + p * area + j * C + cols
-                if LAMPORT:
-                    v, missing = take(slot, cols < C, SPIN_LIMIT)
-                    late += missing
-                else:
-                    v = tl.load(slot, cache_modifier=".cg")
+                v = tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
                 if p == 0:
                     total = v
                 else:
@@ -410,8 +328,7 @@ def row_fusion_applies(rows: int, hdim: int, ranks: int) -> bool:
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str, ranks: int,
-                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True,
-                 protocol: str = "flags") -> tuple[jax.Array, jax.Array]:
+                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True) -> tuple[jax.Array, jax.Array]:
     """The block's output reduced over the ranks and added to the residual stream, normed, in one launch:
     ``(s, h)`` [..., H] in x's dtype with ``s = x + round(sum over ranks of (sum over i of parts[i]))`` and ``h =
     rms_norm(s, weight, eps)`` (:func:`row_reference`). x [..., H]; ``parts`` [P, ..., H] (any float dtype): this
@@ -419,8 +336,7 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     offset, scale ``1 + w``). Inside the step's ``shard_map``, for shapes :func:`row_fusion_applies` takes.
     ``num_warps`` per program; a program per row, or one per chunk of a row (the row length's largest power-of-two
     divisor up to 4096: :func:`jaxmtp.pallas.norms.add_rms_norm_triton.chunk_size`), which hand each other their
-    square sums. ``protocol`` as :func:`allreduce`'s. The kernel policy chooses (``oneshot_row_*``,
-    ``oneshot_protocol``). One hidden size per workspace: a program's staging region depends on it."""
+    square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging region depends on it."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
@@ -429,7 +345,6 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     if parts.shape[1:] != x.shape or weight.shape != (hdim,) or not row_fusion_applies(rows, hdim, ranks):
         raise ValueError(f"the fused one-shot add + norm does not take x {x.shape}, parts {parts.shape}, weight "
                          f"{weight.shape} over {ranks} ranks")
-    sec = _sections(ranks, protocol)
     chunk = chunk_size(hdim)
     ppr = 1 if one_program_per_row else hdim // chunk
     row = jax.ShapeDtypeStruct((rows, hdim), x.dtype)
@@ -437,9 +352,9 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
         parts.reshape(parts.shape[0], rows, hdim), x.reshape(rows, hdim), weight, _rank_and_group(axis, ranks),
         *peers, kernel=_row_kernel(), out_shape=[row, row], grid=(rows * ppr,), num_warps=num_warps,
         num_stages=1, ROWS=rows, H=hdim, C=chunk, CPP=hdim // chunk // ppr, P=parts.shape[0], N=ranks,
-        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=sec["row_counters"],
-        FLAGS=sec["row_flags"], ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=sec["row_staging"],
-        SPIN_LIMIT=SPIN_LIMIT, LAMPORT=int(protocol == "lamport"))
+        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=_ROW_COUNTERS,
+        FLAGS=_ROW_FLAGS, ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=_row_staging(ranks),
+        SPIN_LIMIT=SPIN_LIMIT)
     return s.reshape(x.shape), h.reshape(x.shape)
 
 
@@ -467,6 +382,6 @@ def _has_axis(name: str) -> bool:
     return True
 
 
-__all__ = ["BLOCK", "CAPACITY", "EMPTY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "PROTOCOLS", "ROW_STRIDE",
-           "SPIN_LIMIT", "add_rms_norm", "allocate", "allreduce", "available", "initial_words", "reference",
+__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "ROW_STRIDE", "SPIN_LIMIT",
+           "add_rms_norm", "allocate", "allreduce", "available", "reference",
            "row_fusion_applies", "row_reference", "workspace_bytes"]

@@ -79,13 +79,13 @@ def rank(tp: TensorParallel) -> jax.Array:
     return jax.lax.axis_index(tp.axis) if tp.active else jnp.int32(0)
 
 
-def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
+def reduce_sum(y: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
     """The sum over ranks of the local partial ``y`` (any float dtype, summed in float32), as ``dtype`` (default
-    y's); ``protocol``: the one-shot kernel's (:func:`jaxmtp.pallas.allreduce_oneshot.allreduce`)."""
-    return reduce_parts(y[None], tp, dtype or y.dtype, protocol=protocol)
+    y's)."""
+    return reduce_parts(y[None], tp, dtype or y.dtype)
 
 
-def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None, *, protocol: str = "flags") -> jax.Array:
+def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None) -> jax.Array:
     """:func:`reduce_sum` of a local partial given as ``parts [P, ...]`` (any float dtype), summed in part order
     (:func:`jaxmtp.pallas._common.sum_parts`) in float32; the one-shot kernel sums and widens them itself, with no
     launch of their own. As ``dtype`` (default float32)."""
@@ -96,8 +96,7 @@ def reduce_parts(parts: jax.Array, tp: TensorParallel, dtype=None, *, protocol: 
         from jaxmtp.pallas import allreduce_oneshot
 
         if parts[0].size <= allreduce_oneshot.CAPACITY:
-            return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True,
-                                               protocol=protocol).astype(dtype)
+            return allreduce_oneshot.allreduce(parts, tp.axis, tp.size, tp.peers, parts=True).astype(dtype)
     total = sum_parts(parts.astype(jnp.float32))
     return (jax.lax.psum(total, tp.axis) if tp.active else total).astype(dtype)
 

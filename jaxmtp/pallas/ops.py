@@ -88,8 +88,7 @@ def add_rms_norm(x, y, weight, eps: float, backend: Backend):
         tp, policy = y.tp, backend.policy
         return allreduce_oneshot.add_rms_norm(x, y.parts, weight, eps, tp.axis, tp.size, tp.peers,
                                               num_warps=policy.oneshot_row_num_warps,
-                                              one_program_per_row=policy.oneshot_row_programs == 1,
-                                              protocol=y.protocol)
+                                              one_program_per_row=policy.oneshot_row_programs == 1)
     return _norms.add_rms_norm(x, y, weight, eps, implementation=backend.norm)
 
 
@@ -143,14 +142,13 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     dtype = a.dtype
     parts = y.parts if isinstance(y, SplitSum) else y[None]
     if partials and _fused_reduce_applies(y, tp, backend):
-        return Unreduced(parts, dtype, tp, _protocol(backend))
+        return Unreduced(parts, dtype, tp)
     if not reduce:
         return sum_parts(parts.astype(jnp.float32)).astype(dtype)
     if backend.policy.oneshot_parts:  # in the one-shot mode the kernel sums and widens the parts itself
-        total = _collectives.reduce_parts(parts, tp, protocol=_protocol(backend))
+        total = _collectives.reduce_parts(parts, tp)
     else:
-        total = _collectives.reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, jnp.float32,
-                                        protocol=_protocol(backend))
+        total = _collectives.reduce_sum(sum_parts(parts.astype(jnp.float32)), tp, jnp.float32)
     # with ``partials`` the float32 sum goes on as one part: the residual add + norm rounds it to dtype in its own
     # launch, the same values as rounding here, without a launch of its own for that rounding
     return SplitSum(total[None], dtype) if partials else total.astype(dtype)
@@ -177,13 +175,8 @@ def tp_sum(y, backend: Backend):
         return y
     y = dense(y)
     if _fused_reduce_applies(y, tp, backend):
-        return Unreduced(y[None], y.dtype, tp, _protocol(backend))
-    return _collectives.reduce_sum(y, tp, protocol=_protocol(backend))
-
-
-def _protocol(backend: Backend) -> str:
-    """The one-shot kernels' protocol the kernel policy chooses (:data:`jaxmtp.pallas.allreduce_oneshot.PROTOCOLS`)."""
-    return "lamport" if backend.policy.oneshot_lamport else "flags"
+        return Unreduced(y[None], y.dtype, tp)
+    return _collectives.reduce_sum(y, tp)
 
 
 def output_add_norm(a, w, transposed: bool, residual, norm_weight, eps: float, backend: Backend, *, consumer=None):

@@ -83,10 +83,6 @@ class KernelPolicy:
     oneshot_row_programs: int = 0
     oneshot_row_num_warps: int = 8
     oneshot_parts: bool = False
-    # ... and how their ranks learn that their peers' values have arrived: a flag per peer raised after the values
-    # (release / acquire at system scope), or the Lamport protocol (each value its own signal, polled until it is no
-    # longer -0.0, the empty mark; no flag, no fence): not yet measured, so off
-    oneshot_lamport: bool = False
 
     # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
     attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
