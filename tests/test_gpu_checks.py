@@ -397,7 +397,8 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
 def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
     """A random MoE model (preset ``tiny-moe``: every layer's routed + shared output and the MoE MTP layer's go to
     the fused one-shot kernel) at TP 2 in float32: logits and teacher-forced draft logits over random ids equal the
-    psum mode's bit for bit (a + b either way), and so are the greedy tokens of a speculative engine (k = 3: its
+    psum mode's to float32 rounding (the residual sums are a + b either way, but the norm's square sum may add in
+    another order: the kernel test above), and the greedy tokens of a speculative engine are the same (k = 3: its
     verify window and its draft rows reduced by the kernel; the plain step's rows are the dense test's)."""
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -416,6 +417,6 @@ def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
         out[spec] = (model.logits(ids), model.draft_logits(ids), checks.greedy_outputs(eng, prompts, 24)[0])
     want = out[""]
     for spec, got in out.items():
-        np.testing.assert_array_equal(got[0], want[0], err_msg=spec)
-        np.testing.assert_array_equal(got[1], want[1], err_msg=spec)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5, err_msg=spec)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5, err_msg=spec)
         assert got[2] == want[2], spec
