@@ -362,9 +362,9 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     """The shipped model at tensor_parallel_size=tp in float32: greedy tokens, plain and k = 3, with the one-shot
     all-reduce kernel (given the products' outputs summed and widened, or as they are), and with the fused kernel
     (each block's output reduced, added and normed in one launch; one program per row and one per chunk), equal
-    those with lax.psum, and those equal one GPU's (the sums over the ranks
-    in another order than one device's, float32). At TP 4 the two-launch path and the fused kernel's per-chunk mode
-    only (time)."""
+    those with lax.psum, and those equal one GPU's (the sums over the ranks in another order than one device's,
+    float32); on every layout speculative greedy decoding reproduces plain greedy decoding. At TP 4 the two-launch
+    path and the fused kernel's per-chunk mode only (time)."""
     import jaxmtp
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -392,6 +392,8 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
             assert out[reduce, spec, k] == out["psum", "", k], (reduce, spec, k)
     for k in (0, 3):
         assert out["psum", "", k] == out["one GPU", "", k], k
+    for reduce, spec in [("one GPU", "")] + variants:
+        assert out[reduce, spec, 3] == out[reduce, spec, 0], (reduce, spec)
 
 
 def test_the_fused_oneshot_reduce_gives_an_moe_model_psum_values(monkeypatch):
