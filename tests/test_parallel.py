@@ -391,9 +391,9 @@ def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_t
     before it: ``oneshot_fused``: unreduced to the kernel that reduces, adds and norms it
     (jaxmtp.pallas.allreduce_oneshot.add_rms_norm); ``oneshot_parts``: as its split-K parts to the all-reduce kernel
     (``allreduce(..., parts=True)``). An MoE layer's routed + shared output goes to the fused kernel as a mixer's
-    output does (the MoE case covers the fused path). The kernels need CUDA, so here they are replaced by their psum references (checked against those on the GPU,
-    tests/test_gpu_checks.py): logits and a speculative engine's tokens (k = 3) equal the psum mode's, with the norm
-    kernel (interpreted) in both."""
+    output does (the MoE case covers the fused path). The kernels need CUDA, so here they are replaced by their
+    psum references (checked against those on the GPU, tests/test_gpu_checks.py): logits and a speculative engine's
+    tokens (k = 3) equal the psum mode's, with the norm kernel (interpreted) in both."""
     from jaxmtp.pallas import allreduce_oneshot
 
     calls = []

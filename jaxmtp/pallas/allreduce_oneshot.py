@@ -328,7 +328,8 @@ def row_fusion_applies(rows: int, hdim: int, ranks: int) -> bool:
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str, ranks: int,
-                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True) -> tuple[jax.Array, jax.Array]:
+                 peers: tuple[int, ...], *, num_warps: int = 4,
+                 one_program_per_row: bool = True) -> tuple[jax.Array, jax.Array]:
     """The block's output reduced over the ranks and added to the residual stream, normed, in one launch:
     ``(s, h)`` [..., H] in x's dtype with ``s = x + round(sum over ranks of (sum over i of parts[i]))`` and ``h =
     rms_norm(s, weight, eps)`` (:func:`row_reference`). x [..., H]; ``parts`` [P, ..., H] (any float dtype): this
@@ -336,7 +337,8 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     offset, scale ``1 + w``). Inside the step's ``shard_map``, for shapes :func:`row_fusion_applies` takes.
     ``num_warps`` per program; a program per row, or one per chunk of a row (the row length's largest power-of-two
     divisor up to 4096: :func:`jaxmtp.pallas.norms.add_rms_norm_triton.chunk_size`), which hand each other their
-    square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging region depends on it."""
+    square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging
+    region depends on it."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
