@@ -384,9 +384,9 @@ def test_a_reduced_output_left_as_one_float32_part_gives_the_rounded_sums_values
     np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kind,knobs", [("moe", ("oneshot_fused",)), ("dense", ("oneshot_parts",))])
+@pytest.mark.parametrize("kind,knob", [("moe", "oneshot_fused"), ("dense", "oneshot_parts")])
 def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_them(wide, rng, monkeypatch, kind,
-                                                                                     knobs):
+                                                                                     knob):
     """The one-shot mode's options route each block's output (two per layer) to a kernel with nothing summed
     before it: ``oneshot_fused``: unreduced to the kernel that reduces, adds and norms it
     (jaxmtp.pallas.allreduce_oneshot.add_rms_norm); ``oneshot_parts``: as its split-K parts to the all-reduce kernel
@@ -412,7 +412,7 @@ def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_t
 
     def variant(reduce):
         tp = dataclasses.replace(base.backend.parallel, reduce=reduce)
-        policy = dataclasses.replace(base.backend.policy, **{"oneshot_fused": False, **{k: True for k in knobs}})
+        policy = dataclasses.replace(base.backend.policy, **{"oneshot_fused": False, knob: True})
         return dataclasses.replace(base, backend=dataclasses.replace(base.backend, norm="triton_interpret", parallel=tp,
                                                                      policy=policy))
 

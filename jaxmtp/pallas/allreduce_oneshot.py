@@ -106,8 +106,9 @@ def allocate(mesh) -> tuple[jax.Array, tuple[int, ...]]:
     if len(devices) > MAX_RANKS:
         raise ValueError(f"the one-shot all-reduce takes at most {MAX_RANKS} devices, not {len(devices)}")
     tp = mesh.shape["tp"]
+    words = workspace_bytes(tp) // 4
     flat = jax.sharding.Mesh(np.asarray(devices), ("all",))
-    ws = jax.device_put(np.zeros((len(devices), workspace_bytes(tp) // 4), np.int32), NamedSharding(flat, P("all")))
+    ws = jax.device_put(np.zeros((len(devices), words), np.int32), NamedSharding(flat, P("all")))
     by_device = {s.device: s.data.unsafe_buffer_pointer() for s in ws.addressable_shards}
     addrs = tuple(by_device[d] for d in devices) + (0,) * (MAX_RANKS - len(devices))
     return ws, addrs
@@ -274,12 +275,9 @@ def _row_kernel():
         mine_stage = (mine + STAGING).to(tl.pointer_type(tl.float32)) + (e & 1) * N * area + base
         sq = tl.zeros((C,), tl.float32)
         for j in tl.static_range(CPP):
-            for p in tl.static_range(N):
-                v = tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
-                if p == 0:
-                    total = v
-                else:
-                    total += v
+            total = tl.load(mine_stage + j * C + cols, cache_modifier=".cg")
+            for p in tl.static_range(1, N):
+                total += tl.load(mine_stage + p * area + j * C + cols, cache_modifier=".cg")
             x = tl.load(x_ptr + row + j * C + cols)
             s = (x.to(tl.float32) + total.to(x.dtype).to(tl.float32)).to(x.dtype)
             s = tl.where(late == 0, s, float("nan")).to(x.dtype)
