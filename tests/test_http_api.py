@@ -10,6 +10,7 @@ cache (set for this module only) lets them share one compile.
 import asyncio
 import http.client
 import json
+import logging
 import random
 import socket
 import urllib.parse
@@ -664,6 +665,39 @@ def test_other_errors(oai, base):
     status, _, body = request(base, "GET", "/v1/nothing-here")
     assert status == 404 and body["error"]["type"] == "not_found_error"
     assert request(base, "GET", "/v1/completions")[0] == 405
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+MALFORMED_BODIES = {  # raw request bodies that Python's json module alone would take, or crash on
+    "NaN": (b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', "NaN is not a JSON value"),
+    "Infinity": (b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', "Infinity is not a JSON value"),
+    "a number beyond float64": (b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}', "out of range"),
+    "nesting too deep": (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+    "an escaped lone surrogate": (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "lone UTF-16 surrogate"),
+    "a surrogate in UTF-8 bytes": (b'{"prompt": "hi \xed\xa0\x80", "max_tokens": 2}', "not UTF-8"),
+    "Latin-1 bytes": (b'{"prompt": "caf\xe9", "max_tokens": 2}', "not UTF-8"),
+}
+
+
+def test_malformed_bodies_are_400_and_a_client_gone_mid_body_logs_no_error(base, oai, caplog):
+    """Bodies that are not RFC 8259 UTF-8 JSON are 400s naming what is wrong (NaN and infinities never reach the
+    sampling checks; a lone surrogate never reaches the tokenizer; deep nesting is not a 500), a surrogate pair is
+    still text, and a client that hangs up halfway through its body leaves no error in the server's log."""
+    caplog.set_level(logging.DEBUG, logger="jaxmtp")
+    for case, (raw, needle) in MALFORMED_BODIES.items():
+        status, _, body = request(base, "POST", "/v1/completions", raw=raw)
+        assert status == 400 and "not valid JSON" in body["error"]["message"], (case, status, body)
+        assert needle in body["error"]["message"], (case, body)
+    status, _, body = request(base, "POST", "/v1/completions",
+                              raw=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')  # an emoji as a pair
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    url = urllib.parse.urlsplit(base)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hel")
+    wait_until(lambda: any("disconnected before it sent" in r.getMessage() for r in caplog.records),
+               what="the server to see the hang-up")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-2000:]
     assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -28,6 +28,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -90,6 +93,50 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
+
+
+# ---- request bodies ----------------------------------------------------------------------------------------------
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _strict_json(text: str) -> Any:
+    """``json.loads`` of RFC 8259 JSON only: NaN, Infinity and numbers beyond float64 (which Python's parser takes
+    or makes infinite) and strings holding a lone UTF-16 surrogate (which no tokenizer can encode) raise ValueError,
+    as does nesting too deep to parse."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):  # an escaped surrogate: valid as half of a pair only
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair)") from None
+    return value
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body: UTF-8 JSON (:func:`_strict_json`) holding an object, else a 400 :class:`ApiError`."""
+    try:
+        body = _strict_json(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
 
 
 # ---- request fields ----------------------------------------------------------------------------------------------
@@ -290,7 +337,7 @@ def _chat_messages(raw: Any) -> list[dict]:
                 args = fn.get("arguments", {})
                 if isinstance(args, str):  # OpenAI sends a JSON string; chat templates iterate over an object
                     try:
-                        args = json.loads(args) if args.strip() else {}
+                        args = _strict_json(args) if args.strip() else {}
                     except ValueError:
                         raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
                                        "messages") from None
@@ -464,16 +511,13 @@ class HttpApi:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
             raise ApiError(413, f"the request body has {size} bytes, more than the server's limit of {limit}")
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # nobody is left to answer: 499 as nginx logs it, one debug line, no traceback
+            raise ApiError(499, "the client disconnected before it sent the whole request body") from None
         if len(raw) > limit:
             raise ApiError(413, f"the request body has {len(raw)} bytes, more than the server's limit of {limit}")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return parse_json_object(raw)
 
     # ---- simple endpoints ---------------------------------------------------------------------------------------
     def _model_card(self) -> dict:
