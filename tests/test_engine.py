@@ -324,6 +324,12 @@ def test_invalid_requests_and_settings_are_clear_errors(models, engines, checkpo
     assert not eng.has_work()  # nothing was queued by the failed calls
     with pytest.raises(EngineConfigError, match="num_draft_tokens"):
         Engine(model, num_slots=1, max_context=32, num_draft_tokens=-1)
+    with pytest.raises(EngineConfigError, match=r"max_context must be in \[2, .*got 0"):  # not the default
+        Engine(model, num_slots=1, max_context=0)
+    with pytest.raises(EngineConfigError, match="steps_per_sync must be a positive integer, got 0"):  # never done
+        Engine(model, num_slots=1, max_context=32, steps_per_sync=0)
+    with pytest.raises(EngineConfigError, match="max_prefill_tokens=0 must hold"):
+        Engine(model, num_slots=1, max_context=32, max_prefill_tokens=0)
     nomtp = jaxmtp.load(checkpoint_factory("dense", hv_ratio=1, with_mtp=False)[0], dtype="float32", progress=False)
     with pytest.raises(EngineConfigError, match="needs an MTP head"):
         Engine(nomtp, num_slots=1, max_context=32, num_draft_tokens=2)

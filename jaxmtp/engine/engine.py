@@ -207,7 +207,8 @@ class Engine:
             raise EngineConfigError("num_draft_tokens > 0 needs an MTP head, and this checkpoint has none; use 0")
         if num_slots < 1:
             raise EngineConfigError(f"num_slots must be >= 1, got {num_slots}")
-        max_context = max_context or min(8192, cfg.max_position_embeddings)
+        if max_context is None:  # (0 is an error below, not the default)
+            max_context = min(8192, cfg.max_position_embeddings)
         if not 2 <= max_context <= cfg.max_position_embeddings:
             raise EngineConfigError(
                 f"max_context must be in [2, {cfg.max_position_embeddings}] (the model's max_position_embeddings), "
@@ -219,10 +220,13 @@ class Engine:
                 prefill_chunk = max(16, min(prefill_chunk, 1 << (max_prefill_tokens.bit_length() - 1)))
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise EngineConfigError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
-        max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(prefill_chunk)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = default_max_prefill_tokens(prefill_chunk)
         if max_prefill_tokens < prefill_chunk:
             raise EngineConfigError(f"max_prefill_tokens={max_prefill_tokens} must hold one whole prefill_chunk "
                                     f"({prefill_chunk})")
+        if not isinstance(steps_per_sync, int) or steps_per_sync < 1:  # 0 steps would never finish a request
+            raise EngineConfigError(f"steps_per_sync must be a positive integer, got {steps_per_sync!r}")
         if max_prefill_batch is not None and not 1 <= max_prefill_batch <= max_prefill_tokens // 16:
             raise EngineConfigError(f"max_prefill_batch must be in [1, {max_prefill_tokens // 16}] (rows of at least "
                                     f"16 tokens within max_prefill_tokens={max_prefill_tokens}), got "

@@ -45,7 +45,8 @@ def random_config(name: str) -> Qwen35Config:
     if name not in PRESETS and name in shapes.names():
         return shapes.config(name)
     if name not in PRESETS:
-        raise ValueError(f"unknown random model {name!r}; choose one of {sorted(PRESETS) + shapes.names()}")
+        names = sorted(PRESETS) + [n for n in shapes.names() if n not in PRESETS]
+        raise ValueError(f"unknown random model {name!r}; choose one of {names}")
     kw = dict(PRESETS[name])
     n = kw["num_hidden_layers"]
     family = kw.pop("family", "qwen3_5")
