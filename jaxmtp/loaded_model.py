@@ -257,8 +257,12 @@ def load(path: str | os.PathLike | None = None, dtype="auto", backend: "str | Ba
         path = default_model_path()
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    dtype = resolve_dtype(dtype)
+        raise FileNotFoundError(f"model directory {path!r} " + ("is a file, not a directory" if os.path.exists(path)
+                                                                else "does not exist"))
+    try:
+        dtype = resolve_dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"dtype must be auto, bfloat16, float16 or float32, not {dtype!r}") from None
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ConfigError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     check_draft_head_options(int8_draft_head, draft_head_bits)

@@ -132,3 +132,19 @@ def test_accepted_rope_settings_are_what_transformers_uses(change):
     theirs = transformers.Qwen3_5TextConfig(**{k: v for k, v in hf.items() if k != "model_type"}).rope_parameters
     assert theirs["rope_type"] == "default"
     assert ours.rope_theta == theirs["rope_theta"] and ours.partial_rotary_factor == theirs["partial_rotary_factor"]
+
+
+def test_load_names_a_bad_path_or_dtype(tmp_path):
+    """``jaxmtp.load`` refuses a path that is a file or missing, and a dtype it does not compute in, by name, before
+    reading anything."""
+    import jaxmtp
+
+    (tmp_path / "weights.safetensors").write_bytes(b"\0" * 8)
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        jaxmtp.load(tmp_path / "weights.safetensors", progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        jaxmtp.load(tmp_path / "nope", progress=False)
+    for dtype, message in [("foo", "dtype must be auto, bfloat16, float16 or float32, not 'foo'"),
+                           ("int8", "dtype must be bfloat16, float16 or float32, not int8")]:
+        with pytest.raises(ConfigError, match=message):
+            jaxmtp.load(tmp_path, dtype=dtype, progress=False)
