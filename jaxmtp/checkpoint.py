@@ -397,6 +397,9 @@ def _fp8_scales(src: str, tensors: dict[str, str], used: dict[str, str]) -> dict
             if code[name] not in ("F32", "BF16", "F16"):
                 raise CheckpointError(f"FP8 block scale {name!r} has dtype {code[name]}; expected F32 or BF16")
             continue
+        if code[name] not in ("BF16", "F16", "F32", "F64") and not code[name].startswith("F8"):
+            raise CheckpointError(f"tensor {name!r} has dtype {code[name]}; Qwen3.5 weights are floating point "
+                                  f"(BF16, F16 or F32, or {fp8.SUPPORTED})")
         if code[name].startswith("F8"):
             if code[name] != "F8_E4M3":
                 raise CheckpointError(f"tensor {name!r} has dtype {code[name]}; jaxmtp loads {fp8.SUPPORTED}")

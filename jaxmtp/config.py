@@ -18,6 +18,15 @@ LINEAR = "linear_attention"
 
 _MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
 _TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+# config.json fields read as integers, and the sizes that must be at least 1
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "full_attention_interval", "decoder_sparse_step", "mtp_num_hidden_layers", "num_nextn_predict_layers")
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 class ConfigError(ValueError):
@@ -122,6 +131,11 @@ class Qwen35Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in _POSITIVE_FIELDS:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_hidden_layers < 0:
+            raise ConfigError(f"num_hidden_layers must be >= 0, got {self.num_hidden_layers}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
@@ -210,6 +224,8 @@ class Qwen35Config:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "Qwen35Config":
         """Build from a parsed HF ``config.json`` (top level; ``text_config`` is read for multimodal types)."""
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"config.json must hold a JSON object, not {type(hf).__name__}")
         model_type = hf.get("model_type")
         _check_rope_types(hf)  # for multimodal types, a scaling outside text_config is refused too
         if model_type in _MULTIMODAL_TYPES:
@@ -239,6 +255,15 @@ class Qwen35Config:
             if key not in t:
                 raise ConfigError(f"config is missing required field {key!r}")
             return t[key]
+
+        for key in _INT_FIELDS:  # JSON integers (not strings, floats or booleans) or null where set
+            v = t.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"config field {key!r} must be an integer, got {v!r}")
+        for key in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            v = t.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                raise ConfigError(f"config field {key!r} must be a number, got {v!r}")
 
         act = t.get("hidden_act", "silu")
         if act != "silu":

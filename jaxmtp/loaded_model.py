@@ -171,14 +171,24 @@ def _load_tokenizer(path: str):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(tok_file)
+    try:
+        return Tokenizer.from_file(tok_file)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+        raise ConfigError(f"{tok_file} is not a tokenizer the tokenizers library can load: {e}") from None
 
 
 def _read_json(path: str) -> dict:
+    """A side file's JSON object ({} when the file is absent); anything else is a ConfigError naming the file."""
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def _chat_template(path: str) -> str | None:

@@ -61,6 +61,13 @@ def test_explicit_layer_types_win_over_interval():
     ({"linear_num_value_heads": 20}, "multiple of linear_num_key_heads"),
     ({"layer_types": ["linear_attention"] * 63 + ["mamba"]}, "unknown layer type"),
     ({"layer_types": ["linear_attention"] * 3}, "layer_types has 3 entries"),
+    ({"hidden_size": "5120"}, "config field 'hidden_size' must be an integer, got '5120'"),
+    ({"num_key_value_heads": 4.0}, "config field 'num_key_value_heads' must be an integer, got 4.0"),
+    ({"vocab_size": True}, "config field 'vocab_size' must be an integer, got True"),
+    ({"rms_norm_eps": "1e-6"}, "config field 'rms_norm_eps' must be a number"),
+    ({"num_attention_heads": 0, "head_dim": 256}, "num_attention_heads must be >= 1, got 0"),
+    ({"linear_key_head_dim": -128}, "linear_key_head_dim must be >= 1, got -128"),
+    ({"num_hidden_layers": -1, "layer_types": None}, "num_hidden_layers must be >= 0, got -1"),
 ])
 def test_unsupported_settings_are_clear_errors(change, message):
     with pytest.raises(ConfigError, match=message):
@@ -74,6 +81,9 @@ def test_missing_field_and_bad_json(tmp_path):
         Qwen35Config.from_hf(bad)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
+        Qwen35Config.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json must hold a JSON object, not list"):
         Qwen35Config.from_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         Qwen35Config.from_pretrained(tmp_path / "nowhere")

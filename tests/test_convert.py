@@ -71,6 +71,8 @@ def _rewrite(ckpt, edit):
     (lambda t: t.update({"model.layers.3.self_attn.k_proj.weight": np.zeros((8, 48), np.float32)}),
      r"model.layers.3.self_attn.k_proj.weight.*shape \(8, 48\), expected \(32, 48\)"),
     (lambda t: t.update({"lm_head.weight": np.zeros((VOCAB, 47), np.float32)}), "lm_head.weight.*shape"),
+    (lambda t: t.update({"model.layers.0.mlp.down_proj.weight": t["model.layers.0.mlp.down_proj.weight"].astype(
+        np.int32)}), "model.layers.0.mlp.down_proj.weight.*dtype I32; Qwen3.5 weights are floating point"),
 ])
 def test_broken_checkpoints_name_the_tensor(checkpoint_factory, tmp_path, edit, message):
     path, _ = checkpoint_factory("dense", hv_ratio=2)
@@ -78,6 +80,22 @@ def test_broken_checkpoints_name_the_tensor(checkpoint_factory, tmp_path, edit, 
     _rewrite(ckpt, edit)
     with pytest.raises(CheckpointError, match=message):
         load_hf_params(str(ckpt), progress=False)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("tokenizer.json", "{not json", "tokenizer.json is not a tokenizer the tokenizers library can load"),
+    ("generation_config.json", "{not json", "generation_config.json is not valid JSON"),
+    ("generation_config.json", "[1]", "generation_config.json must hold a JSON object, not list"),
+    ("tokenizer_config.json", '"text"', "tokenizer_config.json must hold a JSON object, not str"),
+])
+def test_broken_side_files_are_config_errors_naming_the_file(checkpoint_factory, tmp_path, name, text, message):
+    from jaxmtp.config import ConfigError
+
+    path, _ = checkpoint_factory("dense", hv_ratio=2)
+    ckpt = _copy(path, tmp_path)
+    (ckpt / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        jaxmtp.load(str(ckpt), dtype="float32", progress=False)
 
 
 def test_missing_shard_and_missing_expert(checkpoint_factory, tmp_path):
