@@ -691,6 +691,8 @@ def test_malformed_bodies_are_400_and_a_client_gone_mid_body_logs_no_error(base,
     status, _, body = request(base, "POST", "/v1/completions",
                               raw=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')  # an emoji as a pair
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    status, _, body = request(base, "POST", "/v1/completions", raw=b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 2}')
+    assert status == 200, body  # a byte order mark is ignored
     url = urllib.parse.urlsplit(base)
     with socket.create_connection((url.hostname, url.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

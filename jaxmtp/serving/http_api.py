@@ -127,9 +127,10 @@ def _strict_json(text: str) -> Any:
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """A request body: UTF-8 JSON (:func:`_strict_json`) holding an object, else a 400 :class:`ApiError`."""
+    """A request body: UTF-8 JSON (:func:`_strict_json`; a leading byte order mark ignored, as RFC 8259 allows)
+    holding an object, else a 400 :class:`ApiError`."""
     try:
-        body = _strict_json(raw.decode("utf-8"))
+        body = _strict_json(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") from None
     except ValueError as e:
