@@ -419,6 +419,9 @@ BAD_REQUESTS = {
     "stop id": (dict(extra_body={"stop_token_ids": [10**6]}), "outside the vocabulary"),
     "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
                    "only text parts"),
+    "text part without text": (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": 5}]}]),
+                               "messages[0].content[1] is a text part without a string 'text'"),
     "role": (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
     "stream_options without stream": (dict(stream_options={"include_usage": True}), "stream_options"),
 }

@@ -301,11 +301,13 @@ def _text_content(content: Any, i: int) -> str | None:
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported, got {kind!r}",
                                "messages")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content[{j}] is a text part without a string 'text'", "messages")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
