@@ -309,7 +309,12 @@ def resolve_reduce(reduce: str, tp: int, dp: int = 1) -> str:
     """The reduction mode ``"auto"`` stands for: ``"oneshot"`` at TP 2 and 4 without data parallelism in one process
     on a CUDA GPU with jax_triton (the layouts it was measured faster in and tested on: docs/performance.md, "The
     one-shot reduction"), else ``"psum"``; any other mode as given."""
+    from jaxmtp.pallas.collectives import REDUCE_MODES
+
     if reduce != "auto":
+        if reduce not in REDUCE_MODES:
+            raise ConfigError(f"tensor_parallel_reduce must be 'auto' or one of {', '.join(REDUCE_MODES)}, "
+                              f"not {reduce!r}")
         return reduce
     from jaxmtp.pallas import allreduce_oneshot
 

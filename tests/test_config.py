@@ -145,8 +145,8 @@ def test_accepted_rope_settings_are_what_transformers_uses(change):
 
 
 def test_load_names_a_bad_path_or_dtype(tmp_path):
-    """``jaxmtp.load`` refuses a path that is a file or missing, and a dtype it does not compute in, by name, before
-    reading anything."""
+    """``jaxmtp.load`` refuses a path that is a file or missing, a dtype it does not compute in and an unknown
+    reduction mode, by name, before reading any weights."""
     import jaxmtp
 
     (tmp_path / "weights.safetensors").write_bytes(b"\0" * 8)
@@ -158,3 +158,6 @@ def test_load_names_a_bad_path_or_dtype(tmp_path):
                            ("int8", "dtype must be bfloat16, float16 or float32, not int8")]:
         with pytest.raises(ConfigError, match=message):
             jaxmtp.load(tmp_path, dtype=dtype, progress=False)
+    with pytest.raises(ConfigError, match="tensor_parallel_reduce must be 'auto' or one of psum, fixed, oneshot, "
+                                          "not 'nccl'"):
+        jaxmtp.load(progress=False, tensor_parallel_reduce="nccl")
