@@ -12,6 +12,7 @@ import http.client
 import json
 import logging
 import random
+import select
 import socket
 import urllib.parse
 
@@ -704,6 +705,32 @@ def test_malformed_bodies_are_400_and_a_client_gone_mid_body_logs_no_error(base,
                what="the server to see the hang-up")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text[-2000:]
     assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_body_over_the_limit_is_413_with_or_without_a_length(base, served):
+    """A declared length over ``--max-message-bytes`` is refused before the body is read; a chunked body without a
+    length is refused once it passes the limit, not read to its end (the server would hold it all in memory)."""
+    limit = served[0].server.config.max_message_bytes
+    status, _, body = request(base, "POST", "/v1/completions", raw=b" " * (limit + 1))
+    assert status == 413 and "more than the server's limit" in body["error"]["message"]
+    url = urllib.parse.urlsplit(base)
+    piece = b" " * (1 << 20)
+    sent, answer = 0, b""
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        while sent < 16 * limit and not answer:  # a body that would never end
+            try:
+                s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(piece)
+            if select.select([s], [], [], 0.01)[0]:
+                answer = s.recv(4096)
+        answer = answer or s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent <= 4 * limit, sent  # answered once the limit was passed
+    assert request(base, "GET", "/health")[0] == 200
 
 
 def test_metrics_parse_and_move_with_traffic(base, oai, grpc_client):

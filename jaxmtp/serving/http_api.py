@@ -514,13 +514,16 @@ class HttpApi:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > limit:
             raise ApiError(413, f"the request body has {size} bytes, more than the server's limit of {limit}")
-        try:
-            raw = await request.body()
+        chunks, total = [], 0
+        try:  # read as it comes, so that a body without a length (chunked) stops at the limit, not at memory's end
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    raise ApiError(413, f"the request body has more than the server's limit of {limit} bytes")
+                chunks.append(chunk)
         except ClientDisconnect:  # nobody is left to answer: 499 as nginx logs it, one debug line, no traceback
             raise ApiError(499, "the client disconnected before it sent the whole request body") from None
-        if len(raw) > limit:
-            raise ApiError(413, f"the request body has {len(raw)} bytes, more than the server's limit of {limit}")
-        return parse_json_object(raw)
+        return parse_json_object(b"".join(chunks))
 
     # ---- simple endpoints ---------------------------------------------------------------------------------------
     def _model_card(self) -> dict:
