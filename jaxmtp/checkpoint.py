@@ -482,23 +482,33 @@ def side_files(src: str) -> list[str]:
             and f.endswith(SIDE_FILE_SUFFIXES) and f not in _NOT_SIDE_FILES and not f.startswith(".")]
 
 
+def read_json_file(path: str) -> Any:
+    """The parsed JSON of side file ``path``; CheckpointError naming the file when it does not parse."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_tokenizer_file(path: str):
+    """``tokenizers.Tokenizer`` of ``path``; CheckpointError naming the file when the library cannot load it."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+        raise CheckpointError(f"{path} is not a tokenizer the tokenizers library can load: {e}") from None
+
+
 def check_side_files(src: str) -> None:
     """Raise CheckpointError naming the first side file of ``src`` that does not parse (JSON, the tokenizer)."""
     for f in side_files(src):
         path = os.path.join(src, f)
         if f.endswith(".json"):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    json.load(fh)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+            read_json_file(path)
         if f == "tokenizer.json":
-            from tokenizers import Tokenizer
-
-            try:
-                Tokenizer.from_file(path)
-            except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
-                raise CheckpointError(f"{path} is not a tokenizer the tokenizers library can load: {e}") from None
+            load_tokenizer_file(path)
 
 
 def _copy_side_files(src: str, dst: str) -> None:

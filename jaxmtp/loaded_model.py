@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import Any
 
@@ -169,25 +168,16 @@ def _load_tokenizer(path: str):
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(tok_file)
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
-        raise ConfigError(f"{tok_file} is not a tokenizer the tokenizers library can load: {e}") from None
+    return checkpoint.load_tokenizer_file(tok_file)
 
 
 def _read_json(path: str) -> dict:
-    """A side file's JSON object ({} when the file is absent); anything else is a ConfigError naming the file."""
+    """A side file's JSON object ({} when the file is absent); anything else is a CheckpointError naming the file."""
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    value = checkpoint.read_json_file(path)
     if not isinstance(value, dict):
-        raise ConfigError(f"{path} must hold a JSON object, not {type(value).__name__}")
+        raise checkpoint.CheckpointError(f"{path} must hold a JSON object, not {type(value).__name__}")
     return value
 
 

@@ -88,13 +88,11 @@ def test_broken_checkpoints_name_the_tensor(checkpoint_factory, tmp_path, edit, 
     ("generation_config.json", "[1]", "generation_config.json must hold a JSON object, not list"),
     ("tokenizer_config.json", '"text"', "tokenizer_config.json must hold a JSON object, not str"),
 ])
-def test_broken_side_files_are_config_errors_naming_the_file(checkpoint_factory, tmp_path, name, text, message):
-    from jaxmtp.config import ConfigError
-
+def test_broken_side_files_are_errors_naming_the_file_at_load(checkpoint_factory, tmp_path, name, text, message):
     path, _ = checkpoint_factory("dense", hv_ratio=2)
     ckpt = _copy(path, tmp_path)
     (ckpt / name).write_text(text)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(CheckpointError, match=message):
         jaxmtp.load(str(ckpt), dtype="float32", progress=False)
 
 
