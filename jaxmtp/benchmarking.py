@@ -381,6 +381,13 @@ def mtp_bytes(params) -> int | None:
     return weight_bytes(params["mtp"]) if "mtp" in params else None
 
 
+def fp8_scheme(params):
+    """The FP8 scheme of ``params`` for :func:`step_bytes`: :data:`jaxmtp.fp8.STANDARD` where any weight is block FP8
+    (``random_model(..., quantization="fp8")``), else None."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return STANDARD if any("block_scale" in jax.tree_util.keystr(p) for p, _ in leaves) else None
+
+
 def step_bytes(cfg: Qwen35Config, batch: int, k: int, context: int, dtype_bytes: int = 2,
                head_bytes: int | None = None, mtp_stored: int | None = None, fp8=None) -> dict:
     """Bytes one decode step of ``batch`` slots ``context`` tokens deep must move at least: ``{"weights", "kv",

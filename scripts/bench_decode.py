@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxmtp import shapes
 from jaxmtp.benchmarking import (LAYOUTS, PUBLISHED_AL, CompileClock, alternating_step_ms, draft_head_bytes,
-                                 fill_synthetic, hbm_bandwidth, mtp_bytes, random_model, run_metadata,
+                                 fill_synthetic, fp8_scheme, hbm_bandwidth, mtp_bytes, random_model, run_metadata,
                                  speedup_bound, step_bytes, synthetic_engine, timed_loops, tiny_config,
                                  variant_model, write_json)
 from jaxmtp.engine import Engine
@@ -103,9 +103,9 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         accepted += int(out["accepted"].sum())
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
-    plan = memory_plan(cfg, batch, context, k, model.dtype)
+    plan = memory_plan(cfg, batch, context, k, model.dtype, fp8=fp8_scheme(model.params))
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
-                      mtp_stored=mtp_bytes(model.params))
+                      mtp_stored=mtp_bytes(model.params), fp8=fp8_scheme(model.params))
     del eng
     return {
         "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,
@@ -133,7 +133,7 @@ def bench_ab(model, batch: int, k: int, context: int, variants: list[str], round
         engines.append((m, eng))
     times = alternating_step_ms([eng for _, eng in engines], [m.params for m, _ in engines], rounds, syncs)
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
-                      mtp_stored=mtp_bytes(model.params))
+                      mtp_stored=mtp_bytes(model.params), fp8=fp8_scheme(model.params))
     roofline_ms = need["total"] / bw * 1e3
     out = {"batch": batch, "k": k, "context": context, "roofline_ms": roofline_ms, "variants": []}
     for spec, (m, _), ts in zip(variants, engines, times):
@@ -282,6 +282,8 @@ def main(argv=None) -> int:
                     help="only the transformers comparison (run it in its own process: JAX reserves GPU memory)")
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="draw the linears the official FP8 checkpoints quantise as block FP8 (jaxmtp.fp8)")
     ap.add_argument("--layout", default="serving", choices=LAYOUTS, help="params layout (see random_model)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="hot draft vocabulary size (jaxmtp.draft_vocab)")
     ap.add_argument("--draft-head-bits", type=int, default=None, choices=[8, 4],
@@ -317,9 +319,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         backend = override_backend(resolve_backend(args.backend, cfg, dtype), args.override)  # before the layout
         model = random_model(cfg, dtype, backend, args.layout, args.draft_vocab, args.draft_head_bits,
-                             quantize_mtp_layer=False if args.ab else None)  # A/B variants quantise a copy
+                             quantize_mtp_layer=False if args.ab else None,  # A/B variants quantise a copy
+                             quantization=args.quantization)
         entry = {"config": {k: v for k, v in cfg.__dict__.items() if not isinstance(v, tuple)},
-                 "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype).weights,
+                 "weights_bytes": memory_plan(cfg, 1, args.context, 3, dtype, fp8=fp8_scheme(model.params)).weights,
                  "init_s": time.perf_counter() - t0, "backend": str(model.backend),
                  "draft_head": describe_draft_head(model.params, cfg.vocab_size),
                  "mtp_int8": has_quantized_mtp(model.params), "prefill": [], "steps": [],

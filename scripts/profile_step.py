@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a decode step's time goes: kernel counts, GPU busy time and the top ops, from a JAX profiler trace.
 
-    python scripts/profile_step.py --model qwen3.5-4b --batch 1 --k 0 --out prof.json [--backend auto]
+    python scripts/profile_step.py --model qwen3.5-4b --grid '1:0,3' --out prof.json [--quantization fp8]
 
 Builds a random bf16 model of a released Qwen3.5 shape, fills every slot with a request ``--context`` tokens deep
 (``jaxmtp.benchmarking.synthetic_engine``), warms the engine's jitted ``steps_per_sync``-step loop, then traces
@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmtp import shapes  # noqa: E402
+from jaxmtp.fp8 import STANDARD  # noqa: E402
 from jaxmtp.benchmarking import (LAYOUTS, covered_time, draft_head_bytes, hlo_sources, is_device_stream,  # noqa: E402
                                  mtp_bytes, random_model, read_trace, run_metadata, step_bytes, synthetic_engine,
                                  timed_loops, tiny_config, write_json)
@@ -141,13 +142,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="profile_step.json")
     ap.add_argument("--sampling", default="0", help="'0', '1' or '0,1': profile the greedy-only loop, the loop "
                     "with the sampling conditional (what the engine runs while a busy slot samples), or both")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="draw the linears the official FP8 checkpoints quantise as block FP8 (jaxmtp.fp8)")
     ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
     args = ap.parse_args(argv)
 
     cfg = tiny_config(args.model) if args.tiny else shapes.config(args.model)
     backend = override_backend(resolve_backend(args.backend, cfg, jnp.bfloat16), args.override)  # before the layout
-    model = random_model(cfg, jnp.bfloat16, backend, args.layout, args.draft_vocab)
+    model = random_model(cfg, jnp.bfloat16, backend, args.layout, args.draft_vocab, quantization=args.quantization)
     result = {**run_metadata(), "model": args.model, "backend": str(model.backend), "layout": args.layout,
+              "quantization": args.quantization,
               "runs": []}
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
                         args.hlo_dir, sampling=bool(int(sampling)))
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
                                            head_bytes=draft_head_bytes(model.params),
-                                           mtp_stored=mtp_bytes(model.params))["total"]
+                                           mtp_stored=mtp_bytes(model.params),
+                                           fp8=STANDARD if args.quantization else None)["total"]
             result["runs"].append(r)
             write_json(args.out, result)
             print(f"{args.model} B={b} k={k} sampling={sampling}: step {r['wall_ms_per_step']:.2f} ms traced "

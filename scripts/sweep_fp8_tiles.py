@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmtp.benchmarking import chained_product_seconds, hbm_bandwidth, run_metadata, write_json  # noqa: E402
+from jaxmtp.benchmarking import (chained_product_seconds, device_seconds, hbm_bandwidth, run_metadata,  # noqa: E402
+                                 write_json)
 from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton, plan  # noqa: E402
 from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
 
@@ -32,9 +33,9 @@ from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
 SHAPES = {"gate_up": (5120, 34816), "down": (17408, 5120), "in_proj": (5120, 16384), "out": (6144, 5120)}
 
 
-def fma_tiles():
-    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (4, 8), (2,)):
-        yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, splits=1)
+def fma_tiles(lanes=(1, 16)):
+    for bn, bk, warps, lane in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), lanes):
+        yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=2, splits=1, lanes=lane)
 
 
 def dot_tiles(m: int):
@@ -43,9 +44,15 @@ def dot_tiles(m: int):
         yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
 
 
-def time_product(x, ws, tiles: dict, calls: int, reps: int) -> float:
-    """Seconds per product of ``calls`` chained products over the rotating weights ``ws``."""
-    return chained_product_seconds(lambda y, w, s: fp8_matmul_triton(y, w, s, **tiles), x, ws, calls, reps)
+def time_product(x, ws, tiles: dict, calls: int, reps: int, timing: str = "wall") -> float:
+    """Seconds per product of ``calls`` chained products over the rotating weights ``ws``: ``"wall"`` the loop's
+    wall clock (launches and dispatch included), ``"kernel"`` the device's kernel time from a profiler trace
+    (:func:`jaxmtp.benchmarking.device_seconds`; the chaining op's ~1 us included)."""
+    fn = lambda y, w, s: fp8_matmul_triton(y, w, s, **tiles)  # noqa: E731
+    if timing == "kernel":
+        chain = lambda a, out: (a[0] + out[..., :1].astype(a[0].dtype) * 0, *a[1:])  # noqa: E731
+        return min(device_seconds(fn, x, *ws[0], chain=chain, calls=calls) for _ in range(reps))
+    return chained_product_seconds(fn, x, ws, calls, reps)
 
 
 def main(argv=None) -> int:
@@ -57,13 +64,17 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=400.0)
+    ap.add_argument("--timing", default="wall", choices=["wall", "kernel"],
+                    help="wall clock of the chained loop, or the kernels' device time from a profiler trace")
+    ap.add_argument("--lanes", default="1,16", help="multiply-add path: products summed per thread before "
+                    "accumulating (1: a [BN, BK] accumulator)")
     ap.add_argument("--out", default="fp8_tiles.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
     args = ap.parse_args(argv)
     if args.smoke:
         SHAPES.update({name: (256, 384) for name in SHAPES})
     t_start = time.perf_counter()
-    result = {**run_metadata(), "copy_bytes_per_s": hbm_bandwidth(), "cases": []}
+    result = {**run_metadata(), "copy_bytes_per_s": hbm_bandwidth(), "timing": args.timing, "cases": []}
     bw = result["copy_bytes_per_s"]
     key = jax.random.key(0)
     for case in args.cases.split(","):
@@ -77,19 +88,20 @@ def main(argv=None) -> int:
         default = plan(m, k, n)
         entry = {"rows": m, "K": k, "N": n, "name": name, "weight_bytes": nbytes, "default_plan": default._asdict(),
                  "tiles": []}
-        tiles = list(fma_tiles()) if m <= 4 else []
+        tiles = list(fma_tiles(tuple(int(v) for v in args.lanes.split(",")))) if m <= 4 else []
         if m > 4 or (args.paths == "both" and m > 1):
             tiles += list(dot_tiles(m))
         if args.smoke:
             tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]
             ws = ws[:2]
-        entry["default_s"] = time_product(x, ws, {"interpret": True} if args.smoke else {}, args.calls, args.reps)
+        entry["default_s"] = time_product(x, ws, {"interpret": True} if args.smoke else {}, args.calls, args.reps,
+                                         args.timing)
         for t in tiles:
             if time.perf_counter() - t_start > args.max_seconds:
                 entry["stopped_early"] = True
                 break
             try:
-                sec = time_product(x, ws, t, args.calls, args.reps)
+                sec = time_product(x, ws, t, args.calls, args.reps, args.timing)
             except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a result
                 entry["tiles"].append({**t, "error": str(e).splitlines()[0][:200]})
                 continue
