@@ -301,14 +301,15 @@ def test_the_default_model_in_fp8_keeps_its_acceptance_length():
 @pytest.mark.parametrize("which", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_the_fp8_kernels_run_the_model_as_the_reference_does(which, dense_dirs, moe_dirs, rng):
     """The whole model with the FP8 products and experts on the GPU kernels (run by the Pallas interpreter): logits
-    and drafts of a prefill-sized and a decode-sized batch equal the reference path's (float32, 1e-5)."""
+    and drafts of a prefill-sized batch, a decode-sized one and one row (the multiply-add path) equal the reference
+    path's (float32, 1e-5)."""
     import dataclasses
 
     root, _ = dense_dirs if which == "dense" else moe_dirs
     ref = jaxmtp.load(str(root / "fp8"), dtype="float32", backend="xla", progress=False)
     kern = dataclasses.replace(ref, backend=dataclasses.replace(ref.backend, fp8_matmul="triton_interpret",
                                                                  moe="triton_interpret"))
-    for ids in (rng.integers(0, 100, (1, 7)), rng.integers(0, 100, (3, 1))):
+    for ids in (rng.integers(0, 100, (1, 7)), rng.integers(0, 100, (3, 1)), rng.integers(0, 100, (1, 1))):
         for fn in ("logits", "draft_logits"):
             if fn == "draft_logits" and ids.shape[1] < 2:
                 continue

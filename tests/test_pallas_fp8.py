@@ -80,6 +80,13 @@ def test_tiles(rng, m, k, n, dtype, tiles):
     _check(*_inputs(rng, (m,), k, n, dtype), **tiles)
 
 
+@pytest.mark.parametrize("m,k,n,lanes", [(1, 200, 300, 1), (1, 200, 300, 16), (2, 1024, 136, 16), (3, 640, 384, 1)])
+def test_multiply_add_accumulators(rng, m, k, n, lanes):
+    """The multiply-add path with a tile-wide accumulator (lanes 1) and with 16 products summed per thread first
+    (lanes 16, the default), K a multiple of the step or not."""
+    _check(*_inputs(rng, (m,), k, n, F32), fma_max_rows=4, lanes=lanes)
+
+
 def test_plan_and_refusals(rng):
     for m in (1, 2, 3, 4, 5, 17, 64, 300):
         for k, n in ((5120, 17408), (17408, 5120), (5120, 12288), (200, 300), (64, 40)):

@@ -9,7 +9,8 @@ Two paths, by the number of rows M (the product of x's leading dims):
 
 * M <= ``FMA_MAX_ROWS`` (one row: decode at batch 1, the drafts' passes): multiply-adds as :mod:`.gemv_triton`, no
   tensor cores. Grid ``(cdiv(N, BN), splits)``; per step a ``[BN, BK]`` e4m3 tile is widened to float32 and each
-  row adds ``w * xs[None, :]`` to an accumulator tile of its own, reduced once at the end. The scale goes on the
+  row adds ``w * xs[None, :]``, summed over each thread's 16 contiguous columns, to an accumulator of its own,
+  reduced across threads once at the end. The scale goes on the
   activations, not on the weights: ``xs = x * scale[nb, k // 128]`` (the step's scales gathered per column), BK
   multiplies per row and step instead of BN x BK (a variant taking one 128-column block at a time with a scalar
   scale measured no faster). Each row repeats the multiply-adds, hence few rows only.
@@ -42,6 +43,7 @@ from jaxmtp.pallas._common import mm, next_pow2, work_dtype
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
 
 FMA_MAX_ROWS = 1  # up to this many rows the multiply-add path (measured: dots win from two rows), then dots
+LANES = 16  # multiply-add path: one thread's 16-byte load of e4m3, summed in registers before accumulating
 
 
 class Plan(NamedTuple):
@@ -54,6 +56,7 @@ class Plan(NamedTuple):
     splits: int
     num_warps: int
     num_stages: int
+    lanes: int = 1  # multiply-add path: products a thread sums in registers before accumulating (:func:`_fma_kernel`)
 
 
 def supports(m: int, k: int, n: int) -> bool:
@@ -66,19 +69,20 @@ def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS) -> Plan:
     """Default tiles for x [m, k] times an e4m3 W [n, k], the best of a sweep at Qwen3.5-27B shapes on an H200
     (``scripts/sweep_fp8_tiles.py``; docs/performance.md, "FP8").
 
-    Multiply-add path (one row): four rows of W per program (two for N <= 4096), steps of 1024 along K up to K =
-    8192 and of 512 beyond (128 for K not a multiple of 128, the last step masked), halved for 3-4 rows (their
-    accumulators must fit in registers); one split.
+    Multiply-add path (one row): four rows of W per program (two for N <= 4096), steps of 1024 along K (512 or
+    256 where 1024 does not divide K, 128 for K not a multiple of 128, the last step masked; at most 512 for 3-4
+    rows, whose accumulators must fit in registers), :data:`LANES` products summed per thread before they are
+    accumulated; one split. With the kernel's time from a profiler trace (``--timing kernel``) these tiles were
+    the fastest or within 2% of it at every 27B shape on an H100.
     Tensor-core path (two rows and more: the sweep found it 1.4-2.6x faster than multiply-adds already at 2-4 rows):
     BM the rows rounded up to a power of two (16 to 64), BN = 64, BK = 128 (one dot per scale block), three
     pipeline stages, and K split in 8 where that leaves at least 8 blocks of K per program, else in 4 (more programs
     in flight per SM: splits of 4-8 were the fastest at every swept shape)."""
     steps = pl.cdiv(k, FP8_BLOCK)  # 128-wide blocks of K
     if m <= fma_max_rows:
-        shrink = 1 if m <= 2 else 2
-        bn, widest = (2, 1024) if n <= 4096 else (4, 1024 if k <= 8192 else 512)
-        bk = next((b for b in (1024, 512, 256) if b <= widest // shrink and k % b == 0), FP8_BLOCK)
-        return Plan(True, m, bn, bk, 1, 4, 2)
+        widest = 1024 if m <= 2 else 512
+        bk = next((b for b in (1024, 512, 256) if b <= widest and k % b == 0), FP8_BLOCK)
+        return Plan(True, m, 2 if n <= 4096 else 4, bk, 1, 4, 2, LANES)
     bm = min(64, max(16, next_pow2(m)))
     splits = 8 if steps >= 64 else 4 if steps >= 16 else 2 if steps >= 4 else 1
     return Plan(False, bm, 64, FP8_BLOCK, splits, 4, 3)
@@ -93,10 +97,12 @@ def _both(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _fma_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bn, bk, steps, ragged_k):
+def _fma_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bn, bk, steps, ragged_k, lanes):
     """x [m, K]; w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)]; o [m, N] (this split's). Program (j, s): W's
     rows ``[j BN, (j + 1) BN)`` over the K steps ``[s steps, (s + 1) steps)``; ``ragged_k``: the steps cover more
-    than K (columns from K on masked)."""
+    than K (columns from K on masked). Each row's accumulator is ``[BN, BK / lanes]``: the ``lanes`` products of
+    one thread's 16-byte load are summed in registers first, with no exchange between threads (a tile-wide
+    accumulator, lanes 1, holds more registers per byte in flight and measured up to 1.5x slower)."""
     f32 = jnp.float32
     n0 = pl.program_id(0) * bn
     k0 = pl.program_id(1) * steps * bk
@@ -113,9 +119,10 @@ def _fma_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bn, bk, steps, ragged_k)
         w = w.astype(f32)
         scale = pltr.load(s_ref.at[nb, jnp.minimum(lax.div(off, FP8_BLOCK) + col_block, kb_last)])  # [BK]
         xs = [_load(x_ref.at[jnp.int32(r), pl.ds(off, bk)], cols_ok).astype(f32) * scale for r in range(m)]
-        return tuple(acc + w * x[None, :] for acc, x in zip(accs, xs))
+        return tuple(acc + jnp.sum((w * x[None, :]).reshape(bn, bk // lanes, lanes), axis=2)
+                     for acc, x in zip(accs, xs))
 
-    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bk), f32) for _ in range(m)))
+    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bk // lanes), f32) for _ in range(m)))
     out_ok = n0 + lax.iota(jnp.int32, bn) < n if n % bn else None
     for r, acc in enumerate(accs):
         pltr.store(o_ref.at[jnp.int32(r), pl.ds(n0, bn)], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=out_ok)
@@ -152,9 +159,9 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "splits", "num_warps",
-                                             "num_stages", "fma_max_rows", "interpret"))
+                                             "num_stages", "fma_max_rows", "lanes", "interpret"))
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
-                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, interpret=False):
+                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
     [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype`` (default x.dtype), float32 accumulation.
     Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core path; tiles default to :func:`plan`
@@ -177,7 +184,8 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
     steps = pl.cdiv(pl.cdiv(k, bk), ns)  # K steps per split
     ragged_k = steps * bk * ns != k
     if p.fma:
-        kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k)
+        kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
+                                   lanes=lanes or p.lanes)
         grid = (pl.cdiv(n, bn), ns)
     else:
         kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
