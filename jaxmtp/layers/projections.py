@@ -10,11 +10,9 @@ run on all.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
-import jax.numpy as jnp
 
+from jaxmtp.pallas import ops
 from jaxmtp.pallas.ops import is_fp8, is_quantized
 
 # Projections that end a block (their output joins the residual stream). The serving layout may store them
@@ -61,14 +59,13 @@ def stored_parts(p, fused: str) -> list[str]:
     return keys
 
 
-def fused_product(p, x, fused: str, mm: Callable, form: Callable):
+def fused_product(p, x, fused: str, backend):
     """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or the products of the stored
-    parts (:func:`stored_parts`: native projections or fused runs) concatenated (x formed once first with ``form``:
-    it may be a lazy norm). ``mm(x, w)`` computes a product."""
+    parts (:func:`stored_parts`: native projections or fused runs) side by side (x formed once: it may be a lazy
+    norm; :func:`jaxmtp.pallas.ops.linear_concat`, one launch for an FP8 run followed by a floating one)."""
     if fused in p:
-        return mm(x, p[fused])
-    x = form(x)
-    return jnp.concatenate([mm(x, p[name]) for name in stored_parts(p, fused)], axis=-1)
+        return ops.linear(x, p[fused], backend)
+    return ops.linear_concat(x, [p[name] for name in stored_parts(p, fused)], backend)
 
 
 def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:
