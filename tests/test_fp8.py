@@ -301,8 +301,8 @@ def test_the_default_model_in_fp8_keeps_its_acceptance_length():
 @pytest.mark.parametrize("which", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_the_fp8_kernels_run_the_model_as_the_reference_does(which, dense_dirs, moe_dirs, rng):
     """The whole model with the FP8 products and experts on the GPU kernels (run by the Pallas interpreter): logits
-    and drafts of a prefill-sized batch, a decode-sized one and one row (the multiply-add path: the GDN in_proj with
-    its bfloat16 b|a tail, the down projection forming its SwiGLU) equal the reference path's (float32, 1e-5)."""
+    and drafts of a prefill-sized batch, a decode-sized one and one row (the multiply-add path) equal the reference
+    path's (float32, 1e-5)."""
     import dataclasses
 
     root, _ = dense_dirs if which == "dense" else moe_dirs

@@ -157,9 +157,8 @@ def test_long_prompts_prefilled_by_the_mosaic_kernel_decode_as_with_the_triton_k
 
 
 def test_fp8_kernels_match_float64_at_released_shapes():
-    """The block-FP8 products (27B gate/up and down shapes; decode, verify, batch and prefill-sized row counts; the
-    down projection reading gate | up, the GDN in_proj with its bfloat16 b|a tail) and routed experts (35B-A3B
-    shapes) on the GPU kernels against float64 products of the dequantised weights."""
+    """The block-FP8 products (27B gate/up and down shapes; decode, verify, batch and prefill-sized row counts) and
+    routed experts (35B-A3B shapes) on the GPU kernels against float64 products of the dequantised weights."""
     from jaxmtp.pallas.matmul import fp8_linear
     from jaxmtp.pallas.matmul.reference import FP8_DTYPE, dequantize_fp8
     from jaxmtp.pallas.moe import moe_experts
@@ -180,26 +179,6 @@ def test_fp8_kernels_match_float64_at_released_shapes():
             got = np.asarray(fp8_linear(x, w, implementation="triton"), np.float64)
             want = np.asarray(x, np.float64) @ w64.T
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 8e-3, (n, kdim, m)
-    # the down projection forming its SwiGLU from gate | up; the GDN in_proj_qkv|z with its bfloat16 b|a as the tail
-    down = fp8((5120, 17408), jax.random.fold_in(key, 3))
-    dn64 = np.asarray(dequantize_fp8(down["weight"], down["block_scale"]), np.float64)
-    qkvz = fp8((16384, 5120), jax.random.fold_in(key, 4))
-    qkvz64 = np.asarray(dequantize_fp8(qkvz["weight"], qkvz["block_scale"]), np.float64)
-    ba = (jax.random.normal(jax.random.fold_in(key, 5), (5120, 96), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    for m in (1, 4, 32):
-        gu = jax.random.normal(jax.random.fold_in(key, 10 + m), (m, 2 * 17408), jnp.float32).astype(jnp.bfloat16)
-        act = np.asarray(jax.nn.silu(gu[:, :17408].astype(jnp.float32)) * gu[:, 17408:].astype(jnp.float32),
-                         np.float64)
-        got = np.asarray(fp8_linear(gu, down, swiglu=True, implementation="triton"), np.float64)
-        want = act @ dn64.T
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 8e-3, ("swiglu", m)
-        x = jax.random.normal(jax.random.fold_in(key, 20 + m), (m, 5120), jnp.float32).astype(jnp.bfloat16)
-        got = np.asarray(fp8_linear(x, qkvz, tail=ba, implementation="triton"), np.float64)
-        want = np.asarray(x, np.float64) @ np.concatenate([qkvz64.T, np.asarray(ba, np.float64)], axis=1)
-        assert got.shape == (m, 16384 + 96)
-        for cols in (slice(0, 16384), slice(16384, None)):
-            err = np.linalg.norm(got[:, cols] - want[:, cols]) / np.linalg.norm(want[:, cols])
-            assert err < 8e-3, ("tail", m, cols)
     e, h, i, top = 256, 2048, 512, 8
     gate_up, down = fp8((e, 2 * i, h), jax.random.fold_in(key, 1)), fp8((e, h, i), jax.random.fold_in(key, 2))
     gu64 = np.asarray(dequantize_fp8(gate_up["weight"], gate_up["block_scale"]), np.float64)

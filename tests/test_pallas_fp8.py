@@ -9,15 +9,13 @@ by up to 2^10 and a scale read from the wrong block fails the float32 checks. Th
 with NaN before the kernel runs, so unwritten elements fail too.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxmtp.pallas.matmul.fp8_triton import FMA_MAX_ROWS, fp8_matmul_triton, plan, supports
-from jaxmtp.pallas.matmul.reference import FP8_BLOCK, fp8_matmul_reference, swiglu_reference
+from jaxmtp.pallas.matmul.reference import FP8_BLOCK, fp8_matmul_reference
 from jaxmtp.quantize import quantize_fp8_blocks
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -89,41 +87,6 @@ def test_multiply_add_accumulators(rng, m, k, n, lanes):
     _check(*_inputs(rng, (m,), k, n, F32), fma_max_rows=4, lanes=lanes)
 
 
-@pytest.mark.parametrize("m,k,n,dtype", [(1, 256, 384, BF16), (1, 200, 300, F32), (3, 200, 300, BF16),
-                                         (5, 200, 300, F32), (17, 256, 136, BF16)])
-def test_swiglu_input(rng, m, k, n, dtype):
-    """``swiglu``: x is gate | up [m, 2K] (plus a column past 2K, ignored) and the product's input silu(gate) * up
-    rounded to x's dtype (the materialised activation), on both paths: equals the product of that activation."""
-    _, q, scale, w64 = _inputs(rng, (m,), k, n, dtype)
-    gu = jnp.asarray(rng.standard_normal((m, 2 * k + 1)) * 2, dtype)
-    act = swiglu_reference(gu, k)
-    want = np.asarray(act, np.float64) @ w64.T
-    got = fp8_matmul_triton(gu, q, scale, swiglu=True, out_dtype=F32, interpret=True)
-    assert got.shape == (m, n) and _rel_err(got, want) < 1e-5
-    plain = fp8_matmul_triton(act, q, scale, out_dtype=F32, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-    with pytest.raises(ValueError):  # gate | up narrower than 2K
-        fp8_matmul_triton(gu[:, : 2 * k - 1], q, scale, swiglu=True, interpret=True)
-
-
-@pytest.mark.parametrize("m,k,n,nt,dtype,tiles", [
-    (1, 256, 384, 96, BF16, {}), (1, 200, 300, 7, F32, {}), (4, 200, 300, 64, F32, {}),
-    (5, 256, 136, 20, BF16, dict(splits=2)), (17, 640, 384, 96, F32, dict(block_n=32)),
-])
-def test_floating_tail(rng, m, k, n, nt, dtype, tiles):
-    """``tail`` [K, Nt] (floating): x @ tail follows the FP8 product as the last Nt columns of one launch, on both
-    paths, Nt a multiple of the tile or not; equals the concatenation of the float64 products."""
-    x, q, scale, w64 = _inputs(rng, (m,), k, n, dtype)
-    tail = jnp.asarray(rng.standard_normal((k, nt)) / np.sqrt(k), dtype)
-    want = np.concatenate([np.asarray(x, np.float64) @ w64.T,
-                           np.asarray(x, np.float64) @ np.asarray(tail, np.float64)], axis=-1)
-    got = fp8_matmul_triton(x, q, scale, tail, out_dtype=F32, interpret=True, **tiles)
-    assert got.shape == (m, n + nt) and _rel_err(got, want) < 1e-5
-    assert _rel_err(got[:, n:], want[:, n:]) < 1e-5  # the tail alone, not drowned by the FP8 columns
-    with pytest.raises(ValueError):  # the tail's K must be the weight's
-        fp8_matmul_triton(x, q, scale, tail[1:], interpret=True)
-
-
 def test_plan_and_refusals(rng):
     for m in (1, 2, 3, 4, 5, 17, 64, 300):
         for k, n in ((5120, 17408), (17408, 5120), (5120, 12288), (200, 300), (64, 40)):
@@ -145,15 +108,11 @@ def test_plan_and_refusals(rng):
             fp8_matmul_triton(x, q, scale, interpret=True, **tiles)
 
 
-@pytest.mark.parametrize("m,k,n,swiglu", [(1, 5120, 17408, False), (4, 17408, 5120, False), (32, 5120, 17408, False),
-                                          (32, 17408, 5120, False), (3, 200, 300, False), (37, 200, 300, False),
-                                          (1, 17408, 5120, True), (4, 17408, 5120, True)])
-def test_lowers_for_cuda(m, k, n, swiglu):
-    """Qwen3.5 27B MLP shapes (and partial blocks) lower to one Triton launch; nothing is padded. With ``swiglu``
-    (the down projection reading gate | up) the activation is formed in that launch."""
+@pytest.mark.parametrize("m,k,n", [(1, 5120, 17408), (4, 17408, 5120), (32, 5120, 17408), (32, 17408, 5120),
+                                   (3, 200, 300), (37, 200, 300)])
+def test_lowers_for_cuda(m, k, n):
+    """Qwen3.5 27B MLP shapes (and partial blocks) lower to one Triton launch; nothing is padded."""
     sds = jax.ShapeDtypeStruct
-    args = (sds((m, 2 * k if swiglu else k), BF16), sds((n, k), jnp.float8_e4m3fn),
-            sds((-(-n // 128), -(-k // 128)), F32))
-    fn = functools.partial(fp8_matmul_triton, swiglu=swiglu)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    args = (sds((m, k), BF16), sds((n, k), jnp.float8_e4m3fn), sds((-(-n // 128), -(-k // 128)), F32))
+    text = jax.jit(fp8_matmul_triton).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.pad" not in text

@@ -44,7 +44,7 @@ def gated_attention(p, cfg: Qwen35Config, x, positions, cache: KVCache, *, backe
     positions [B, T] (-1 = padding). Returns (the gated attention output [B, T, Hq*D], the new cache); with
     ``out_rows`` [B] int32 the output only at that row of each window ([B, 1, Hq*D]) while every row's keys and
     values still enter the cache. The caller applies o_proj (:func:`jaxmtp.pallas.ops.output_add_norm`)."""
-    proj = fused_product(p, x, "qkv_proj", backend)
+    proj = fused_product(p, x, "qkv_proj", lambda a, w: ops.linear(a, w, backend), lambda a: ops.form(a, backend))
     y, k, v = ops.fused_gated_attention(proj, p["q_norm"], p["k_norm"], rope_inv_freq(cfg.rotary_dim, cfg.rope_theta),
                                         cache.k, cache.v, positions, backend, hq=cfg.num_attention_heads,
                                         hkv=cfg.num_key_value_heads, d=cfg.head_dim, eps=cfg.rms_norm_eps,

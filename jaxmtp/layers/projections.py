@@ -10,9 +10,11 @@ run on all.
 
 from __future__ import annotations
 
-import jax
+from typing import Callable
 
-from jaxmtp.pallas import ops
+import jax
+import jax.numpy as jnp
+
 from jaxmtp.pallas.ops import is_fp8, is_quantized
 
 # Projections that end a block (their output joins the residual stream). The serving layout may store them
@@ -59,13 +61,14 @@ def stored_parts(p, fused: str) -> list[str]:
     return keys
 
 
-def fused_product(p, x, fused: str, backend):
+def fused_product(p, x, fused: str, mm: Callable, form: Callable):
     """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or the products of the stored
-    parts (:func:`stored_parts`: native projections or fused runs) side by side (x formed once: it may be a lazy
-    norm; :func:`jaxmtp.pallas.ops.linear_concat`, one launch for an FP8 run followed by a floating one)."""
+    parts (:func:`stored_parts`: native projections or fused runs) concatenated (x formed once first with ``form``:
+    it may be a lazy norm). ``mm(x, w)`` computes a product."""
     if fused in p:
-        return ops.linear(x, p[fused], backend)
-    return ops.linear_concat(x, [p[name] for name in stored_parts(p, fused)], backend)
+        return mm(x, p[fused])
+    x = form(x)
+    return jnp.concatenate([mm(x, p[name]) for name in stored_parts(p, fused)], axis=-1)
 
 
 def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:

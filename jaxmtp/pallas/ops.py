@@ -114,18 +114,6 @@ def linear(x, w, backend: Backend, *, transpose_w: bool = False, out_dtype=None)
     return _matmul.linear(x, w, transpose_w=transpose_w, out_dtype=out_dtype, implementation=impl, policy=policy)
 
 
-def linear_concat(x, ws, backend: Backend):
-    """``x @ [W_0 | W_1 | ...]`` [..., sum of N]: the products of x with several weights side by side. A block-FP8
-    weight followed by a floating one (an FP8 checkpoint's GDN ``in_proj_qkv|z`` and ``in_proj_b|a``) is one
-    launch of the FP8 kernel with the floating weight as its tail (:func:`jaxmtp.pallas.matmul.fp8_linear`), where
-    that kernel runs; otherwise each product is its own and the outputs are concatenated."""
-    x = form(x, backend)
-    if (backend.policy.fp8_tail and len(ws) == 2 and is_fp8(ws[0]) and not (is_fp8(ws[1]) or is_quantized(ws[1]))
-            and _matmul.fp8_kernel_applies(_rows(x), ws[0], backend.fp8_matmul, backend.policy)):
-        return _matmul.fp8_linear(x, ws[0], tail=ws[1], implementation=backend.fp8_matmul, policy=backend.policy)
-    return jnp.concatenate([linear(x, w, backend) for w in ws], axis=-1)
-
-
 def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = False, partials: bool = False,
                    reduce: bool = True):
     """A block's output product ``a @ W`` [..., N] (o_proj, out_proj, down_proj): ``w`` stored ``[K, N]``, or ``[N, K]``
@@ -147,9 +135,6 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
-    elif is_fp8(w):  # the FP8 kernels form the SwiGLU as they load a
-        y = _matmul.fp8_linear(form(a, backend), w, swiglu=swiglu, implementation=backend.fp8_matmul,
-                               policy=backend.policy)
     else:  # in the product's dtype: XLA's GEMMs with a float32 output measured slower (up to 3x for o_proj)
         y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
     if not tp.active:
@@ -215,8 +200,7 @@ def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Bac
     """``down(silu(gate(x)) * up(x))`` [..., H] from the fused gate|up weight (gate columns ``[0, width)``, up
     ``[width, 2 width)``). x [..., H] or a :class:`NormedRows`. With a transposed floating down_proj the output kernel
     forms the SwiGLU; with the int8 MTP layer's one-row kernel the gate|up product forms it (and the norm); elsewhere
-    XLA does; with a block-FP8 down_proj the FP8 product forms it as it loads the gate|up output. ``partials``: the
-    result may be a :class:`SplitSum`; ``reduce``: as :func:`output_product`."""
+    XLA does. ``partials``: the result may be a :class:`SplitSum`; ``reduce``: as :func:`output_product`."""
     impl, policy = backend.matmul, backend.policy
     if down_transposed:
         return output_product(linear(x, gate_up, backend), down, True, backend, swiglu=True, partials=partials,
@@ -224,9 +208,6 @@ def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Bac
     if is_quantized(gate_up) and _matmul.layer_swiglu_applies(x.shape, gate_up, width, impl, policy):
         norm = (x.weight, x.eps) if isinstance(x, NormedRows) else None
         act = _matmul.layer_gemv(x.x if norm else x, gate_up, implementation=impl, norm=norm, glu_width=width)
-    elif is_fp8(down) and policy.fp8_swiglu:
-        return output_product(linear(x, gate_up, backend), down, False, backend, swiglu=True, partials=partials,
-                              reduce=reduce)
     else:
         y = linear(x, gate_up, backend)
         act = jax.nn.silu(y[..., :width]) * y[..., width : 2 * width]

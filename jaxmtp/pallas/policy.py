@@ -66,10 +66,8 @@ class KernelPolicy:
     # e4m3 bytes; more rows (prefill) dequantise the weight to the activations' dtype and run XLA's product
     fp8_kernel_max_rows: int = 256
     # one-row FP8 kernel: products each thread sums in registers before adding them to its accumulator (1: an
-    # accumulator as wide as the weight tile, 16: one per 16-byte load; measured faster at every 27B shape)
+    # accumulator as wide as the weight tile; 16, one per 16-byte load, measured faster at every 27B shape)
     fp8_fma_lanes: int = 16
-    fp8_tail: bool = True
-    fp8_swiglu: bool = True
 
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
     output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K

@@ -41,31 +41,17 @@ def is_fp8(w) -> bool:
     return isinstance(w, dict) and "block_scale" in w
 
 
-def fp8_kernel_applies(rows: int, w, implementation: str, policy: KernelPolicy = DEFAULT_POLICY) -> bool:
-    """Whether a product of ``rows`` rows with the block-FP8 weight ``w`` runs :mod:`.fp8_triton`: a kernel
-    implementation, at most ``policy.fp8_kernel_max_rows`` rows, a shape the kernel takes."""
-    q = w["weight"]
-    return _kernel(implementation) and rows <= policy.fp8_kernel_max_rows and fp8_supports(rows, q.shape[1],
-                                                                                             q.shape[0])
-
-
-def fp8_linear(x, w, *, out_dtype=None, swiglu: bool = False, tail=None, implementation: str = "xla",
-               policy: KernelPolicy = DEFAULT_POLICY):
+def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: KernelPolicy = DEFAULT_POLICY):
     """``x @ dequant(W)^T`` [..., N] for a block-FP8 weight (:func:`is_fp8`); x [..., K]. ``"triton"`` /
-    ``"triton_interpret"``: the kernel :mod:`.fp8_triton` where :func:`fp8_kernel_applies` (e4m3 bytes read, float32
-    accumulation); else (prefill, other backends) the reference, which dequantises the weight to x's dtype first
-    (:func:`jaxmtp.pallas.matmul.reference.fp8_matmul_reference`). ``swiglu``: x is a gate | up output [..., >= 2K]
-    and the product's input its SwiGLU (:func:`swiglu_reference`), which the kernel forms as it loads x (a down
-    projection without a launch for its activation). ``tail`` [K, Nt] (floating): ``x @ tail`` follows as the last Nt
-    output columns, in the kernel's launch."""
+    ``"triton_interpret"``: up to ``policy.fp8_kernel_max_rows`` rows with :mod:`.fp8_triton` (e4m3 bytes read,
+    float32 accumulation), where it takes the shape; else (prefill, other backends) the reference, which dequantises
+    the weight to x's dtype first (:func:`jaxmtp.pallas.matmul.reference.fp8_matmul_reference`)."""
     q, s = w["weight"], w["block_scale"]
-    if fp8_kernel_applies(math.prod(x.shape[:-1]), w, implementation, policy):
-        return fp8_matmul_triton(x, q, s, tail, out_dtype=out_dtype, lanes=policy.fp8_fma_lanes, swiglu=swiglu,
+    rows = math.prod(x.shape[:-1])
+    if _kernel(implementation) and rows <= policy.fp8_kernel_max_rows and fp8_supports(rows, q.shape[1], q.shape[0]):
+        return fp8_matmul_triton(x, q, s, out_dtype=out_dtype, lanes=policy.fp8_fma_lanes,
                                  interpret=implementation == TRITON_INTERPRET)
-    y = fp8_matmul_reference(swiglu_reference(x, q.shape[1]) if swiglu else x, q, s, out_dtype=out_dtype)
-    if tail is None:
-        return y
-    return jnp.concatenate([y, matmul_reference(x, tail).astype(y.dtype)], axis=-1)
+    return fp8_matmul_reference(x, q, s, out_dtype=out_dtype)
 
 
 def is_quantized(w) -> bool:

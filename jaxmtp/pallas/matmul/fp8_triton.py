@@ -39,11 +39,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import mm, next_pow2, swiglu_tile, work_dtype
+from jaxmtp.pallas._common import mm, next_pow2, work_dtype
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
 
 FMA_MAX_ROWS = 1  # up to this many rows the multiply-add path (measured: dots win from two rows), then dots
-LANES = 16  # multiply-add path: products a thread sums in registers (one 16-byte load of e4m3) before accumulating
+LANES = 16  # multiply-add path: one thread's 16-byte load of e4m3, summed in registers before accumulating
 
 
 class Plan(NamedTuple):
@@ -56,7 +56,7 @@ class Plan(NamedTuple):
     splits: int
     num_warps: int
     num_stages: int
-    lanes: int = LANES
+    lanes: int = 1  # multiply-add path: products a thread sums in registers before accumulating (:func:`_fma_kernel`)
 
 
 def supports(m: int, k: int, n: int) -> bool:
@@ -70,10 +70,10 @@ def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS) -> Plan:
     (``scripts/sweep_fp8_tiles.py``; docs/performance.md, "FP8").
 
     Multiply-add path (one row): four rows of W per program (two for N <= 4096), steps of 1024 along K (512 or
-    256 where 1024 does not divide K, 128 for K not a multiple of 128, the last step masked), halved for 3-4 rows
-    (their accumulators must fit in registers), products summed per 16-byte load in registers (``lanes``); one
-    split. On an H100 (kernel time from a profiler trace, ``--timing kernel``) these tiles were the best or within
-    2% of it at every 27B shape.
+    256 where 1024 does not divide K, 128 for K not a multiple of 128, the last step masked; at most 512 for 3-4
+    rows, whose accumulators must fit in registers), :data:`LANES` products summed per thread before they are
+    accumulated; one split. With the kernel's time from a profiler trace (``--timing kernel``) these tiles were
+    the fastest or within 2% of it at every 27B shape on an H100.
     Tensor-core path (two rows and more: the sweep found it 1.4-2.6x faster than multiply-adds already at 2-4 rows):
     BM the rows rounded up to a power of two (16 to 64), BN = 64, BK = 128 (one dot per scale block), three
     pipeline stages, and K split in 8 where that leaves at least 8 blocks of K per program, else in 4 (more programs
@@ -97,156 +97,83 @@ def _both(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _act(x_ref, rows, off, width, mask, swiglu):
-    """The product's input, columns ``[off, off + width)`` of ``rows`` (an index or a ``pl.ds``): x itself, or with
-    ``swiglu`` (x = gate | up, each ``swiglu`` wide) ``silu(gate) * up`` rounded to x's dtype, as
-    :func:`jaxmtp.pallas.matmul.reference.swiglu_reference` materialises it."""
-    x = _load(x_ref.at[rows, pl.ds(off, width)], mask)
-    if not swiglu:
-        return x
-    u = _load(x_ref.at[rows, pl.ds(swiglu + off, width)], mask)
-    return swiglu_tile(x.astype(jnp.float32), u.astype(jnp.float32), x_ref.dtype)
-
-
-def _fma_kernel(x_ref, w_ref, s_ref, *refs, m, k, n, nt, bn, bk, steps, ragged_k, lanes, swiglu):
-    """x [m, K] (``swiglu``: [m, >= 2K], see :func:`_act`); w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)];
-    with ``nt`` the tail t [K, nt] (floating); o [m, N + nt] (this split's). Program (j, s): W's rows ``[j BN, (j +
-    1) BN)`` (from ``cdiv(N, BN)`` on, the tail's columns) over the K steps ``[s steps, (s + 1) steps)``;
-    ``ragged_k``: the steps cover more than K (columns from K on masked). Each row's accumulator is ``[BN, BK /
-    lanes]``: the ``lanes`` products of one thread's 16-byte load are summed in registers first (no exchange between
-    threads; a tile-wide accumulator, lanes 1, holds four times the registers per byte in flight and measured up to
-    1.5x slower)."""
-    t_ref, o_ref = refs if nt else (None, refs[0])
+def _fma_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bn, bk, steps, ragged_k, lanes):
+    """x [m, K]; w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)]; o [m, N] (this split's). Program (j, s): W's
+    rows ``[j BN, (j + 1) BN)`` over the K steps ``[s steps, (s + 1) steps)``; ``ragged_k``: the steps cover more
+    than K (columns from K on masked). Each row's accumulator is ``[BN, BK / lanes]``: the ``lanes`` products of
+    one thread's 16-byte load are summed in registers first, with no exchange between threads (a tile-wide
+    accumulator, lanes 1, holds more registers per byte in flight and measured up to 1.5x slower)."""
     f32 = jnp.float32
-    j, k0 = pl.program_id(0), pl.program_id(1) * steps * bk
+    n0 = pl.program_id(0) * bn
+    k0 = pl.program_id(1) * steps * bk
+    nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
     col = lax.iota(jnp.int32, bk)
     col_block = lax.div(col, FP8_BLOCK)  # a column's scale block within the step
+    rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, bk), 0) < n if n % bn else None
 
-    def run(n0, rows, col0, load_w, scale_at):
-        """BN rows of a weight ``rows`` long from ``n0``, into the output's columns from ``col0 + n0``."""
-        rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, bk), 0) < rows if rows % bn else None
+    def body(i, accs):
+        off = pl.multiple_of(k0 + i * bk, bk)
+        cols_ok = off + col < k if ragged_k else None
+        w = _load(w_ref.at[pl.ds(n0, bn), pl.ds(off, bk)],
+                  _both(rows_ok, None if cols_ok is None else jnp.broadcast_to(cols_ok[None, :], (bn, bk))))
+        w = w.astype(f32)
+        scale = pltr.load(s_ref.at[nb, jnp.minimum(lax.div(off, FP8_BLOCK) + col_block, kb_last)])  # [BK]
+        xs = [_load(x_ref.at[jnp.int32(r), pl.ds(off, bk)], cols_ok).astype(f32) * scale for r in range(m)]
+        return tuple(acc + jnp.sum((w * x[None, :]).reshape(bn, bk // lanes, lanes), axis=2)
+                     for acc, x in zip(accs, xs))
 
-        def body(i, accs):
-            off = pl.multiple_of(k0 + i * bk, bk)
-            cols_ok = off + col < k if ragged_k else None
-            mask = _both(rows_ok, None if cols_ok is None else jnp.broadcast_to(cols_ok[None, :], (bn, bk)))
-            w = load_w(off, mask).astype(f32)
-            scale = scale_at(off)
-            xs = [_act(x_ref, jnp.int32(r), off, bk, cols_ok, swiglu).astype(f32) for r in range(m)]
-            xs = xs if scale is None else [x * scale for x in xs]
-            return tuple(acc + jnp.sum((w * x[None, :]).reshape(bn, bk // lanes, lanes), axis=2)
-                         for acc, x in zip(accs, xs))
-
-        accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bk // lanes), f32) for _ in range(m)))
-        out_ok = n0 + lax.iota(jnp.int32, bn) < rows if rows % bn else None
-        for r, acc in enumerate(accs):
-            pltr.store(o_ref.at[jnp.int32(r), pl.ds(col0 + n0, bn)], jnp.sum(acc, axis=1).astype(o_ref.dtype),
-                       mask=out_ok)
-
-    def fp8_rows():
-        n0 = j * bn
-        nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
-        run(n0, n, 0, lambda off, mask: _load(w_ref.at[pl.ds(n0, bn), pl.ds(off, bk)], mask),
-            lambda off: pltr.load(s_ref.at[nb, jnp.minimum(lax.div(off, FP8_BLOCK) + col_block, kb_last)]))
-
-    if not nt:
-        fp8_rows()
-        return
-    jn = pl.cdiv(n, bn)
-    pl.when(j < jn)(fp8_rows)
-
-    @pl.when(j >= jn)
-    def _():
-        t0 = (j - jn) * bn
-        run(t0, nt, n, lambda off, mask: _load(t_ref.at[pl.ds(off, bk), pl.ds(t0, bn)],
-                                               None if mask is None else mask.T).T, lambda off: None)
+    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bn, bk // lanes), f32) for _ in range(m)))
+    out_ok = n0 + lax.iota(jnp.int32, bn) < n if n % bn else None
+    for r, acc in enumerate(accs):
+        pltr.store(o_ref.at[jnp.int32(r), pl.ds(n0, bn)], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=out_ok)
 
 
-def _dot_kernel(x_ref, w_ref, s_ref, *refs, m, k, n, nt, bm, bn, bk, steps, ragged_k, swiglu, dtype, interpret):
-    """x [M, K] (``swiglu``: [M, >= 2K], see :func:`_act`); w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)];
-    with ``nt`` the tail t [K, nt] (floating); o [M, N + nt] (this split's). Program (i, j, s): rows ``[i BM, (i +
-    1) BM)`` of x times W's rows ``[j BN, (j + 1) BN)`` (from ``cdiv(N, BN)`` on, the tail's columns) over the K
-    steps ``[s steps, (s + 1) steps)``, one dot per 128-wide block of K, scaled by the block's scale."""
-    t_ref, o_ref = refs if nt else (None, refs[0])
-    m0, j = pl.program_id(0) * bm, pl.program_id(1)
+def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragged_k, dtype, interpret):
+    """x [M, K]; w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)]; o [M, N] (this split's). Program (i, j, s):
+    rows ``[i BM, (i + 1) BM)`` of x times W's rows ``[j BN, (j + 1) BN)`` over the K steps ``[s steps, (s + 1)
+    steps)``, one dot per 128-wide block of K, scaled by the block's scale."""
+    m0, n0 = pl.program_id(0) * bm, pl.program_id(1) * bn
     k0 = pl.program_id(2) * steps * bk
+    nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
     x_rows_ok = m0 + lax.broadcasted_iota(jnp.int32, (bm, FP8_BLOCK), 0) < m if m % bm else None
+    w_rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, FP8_BLOCK), 0) < n if n % bn else None
 
-    def run(n0, rows, col0, product):
-        """BN columns of the output from ``col0 + n0``; ``product(off, x tile, cols mask)`` one block's [BM, BN]."""
-        def body(i, acc):
-            for u in range(bk // FP8_BLOCK):
-                off = pl.multiple_of(k0 + i * bk + u * FP8_BLOCK, FP8_BLOCK)
-                cols = off + lax.broadcasted_iota(jnp.int32, (1, FP8_BLOCK), 1) < k if ragged_k else None
-                xt = _act(x_ref, pl.ds(m0, bm), off, FP8_BLOCK,
-                          _both(x_rows_ok, None if cols is None else jnp.broadcast_to(cols, (bm, FP8_BLOCK))), swiglu)
-                acc = acc + product(off, xt, cols)
-            return acc
-
-        acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-        out_ok = None
-        if m % bm or rows % bn:
-            out_ok = ((m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < m)
-                      & (n0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 1) < rows))
-        pltr.store(o_ref.at[pl.ds(m0, bm), pl.ds(col0 + n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
-
-    def fp8_rows():
-        n0 = j * bn
-        nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
-        w_rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, FP8_BLOCK), 0) < n if n % bn else None
-
-        def product(off, xt, cols):
+    def body(i, acc):
+        for u in range(bk // FP8_BLOCK):
+            off = pl.multiple_of(k0 + i * bk + u * FP8_BLOCK, FP8_BLOCK)
+            cols = off + lax.broadcasted_iota(jnp.int32, (1, FP8_BLOCK), 1) < k if ragged_k else None
+            xt = _load(x_ref.at[pl.ds(m0, bm), pl.ds(off, FP8_BLOCK)],
+                       _both(x_rows_ok, None if cols is None else jnp.broadcast_to(cols, (bm, FP8_BLOCK))))
             wt = _load(w_ref.at[pl.ds(n0, bn), pl.ds(off, FP8_BLOCK)],
                        _both(w_rows_ok, None if cols is None else jnp.broadcast_to(cols, (bn, FP8_BLOCK))))
             scale = s_ref[nb, jnp.minimum(lax.div(off, FP8_BLOCK), kb_last)]
-            return mm(xt, wt, tb=True, dtype=dtype, interpret=interpret) * scale
+            acc = acc + mm(xt, wt, tb=True, dtype=dtype, interpret=interpret) * scale
+        return acc
 
-        run(n0, n, 0, product)
-
-    if not nt:
-        fp8_rows()
-        return
-    jn = pl.cdiv(n, bn)
-    pl.when(j < jn)(fp8_rows)
-
-    @pl.when(j >= jn)
-    def _():
-        t0 = (j - jn) * bn
-        t_cols_ok = t0 + lax.broadcasted_iota(jnp.int32, (FP8_BLOCK, bn), 1) < nt if nt % bn else None
-
-        def product(off, xt, cols):
-            mask = _both(t_cols_ok, None if cols is None else jnp.broadcast_to(cols.T, (FP8_BLOCK, bn)))
-            return mm(xt, _load(t_ref.at[pl.ds(off, FP8_BLOCK), pl.ds(t0, bn)], mask), dtype=dtype,
-                      interpret=interpret)
-
-        run(t0, nt, n, product)
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    out_ok = None
+    if m % bm or n % bn:
+        out_ok = ((m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < m)
+                  & (n0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 1) < n))
+    pltr.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "splits", "num_warps",
-                                             "num_stages", "fma_max_rows", "lanes", "swiglu", "interpret"))
-def fp8_matmul_triton(x, w, block_scale, tail=None, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
-                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None, swiglu=False,
-                      interpret=False):
+                                             "num_stages", "fma_max_rows", "lanes", "interpret"))
+def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
+                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
-    [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype`` (default
-    x.dtype), float32 accumulation. ``swiglu``: x is a gate | up output [..., >= 2K] and the product's input its
-    SwiGLU, formed as the columns are loaded (:func:`_act`; no activation tensor in memory). ``tail`` [K, Nt]
-    (floating, ``x @ tail``): its products follow W's as the output's last Nt columns, ``[..., N + Nt]``, in the same
-    launch (an FP8 checkpoint's GDN ``in_proj_b|a``, kept in bfloat16, beside ``in_proj_qkv|z``). Up to
-    ``fma_max_rows`` rows the multiply-add path, else the tensor-core path; tiles default to :func:`plan`
+    [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype`` (default x.dtype), float32 accumulation.
+    Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core path; tiles default to :func:`plan`
     (``block_m``: the tensor-core path only). BN must divide 128, BM (a power of two >= 16) and BK (a power of two
     >= 128) are free; ``splits`` divides the K steps between programs (float32 partials, summed here)."""
-    lead, k = x.shape[:-1], w.shape[-1]
+    lead, k = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), w.shape[0]
     n_blocks = (pl.cdiv(n, FP8_BLOCK), pl.cdiv(k, FP8_BLOCK))
-    width_ok = x.shape[-1] >= 2 * k if swiglu else x.shape[-1] == k
-    if (w.ndim != 2 or not width_ok or w.dtype != FP8_DTYPE or block_scale.shape != n_blocks
+    if (w.ndim != 2 or w.shape[1] != k or w.dtype != FP8_DTYPE or block_scale.shape != n_blocks
             or not jnp.issubdtype(x.dtype, jnp.floating) or not supports(m, k, n)):
         raise ValueError(f"unsupported FP8 product: x {x.shape} {x.dtype}, W {w.shape} {w.dtype}, scale "
                          f"{block_scale.shape} (want {n_blocks})")
-    nt = 0 if tail is None else tail.shape[-1]
-    if tail is not None and (tail.ndim != 2 or tail.shape[0] != k or not jnp.issubdtype(tail.dtype, jnp.floating)):
-        raise ValueError(f"unsupported tail {tail.shape} {tail.dtype} of an FP8 product with K = {k}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     p = plan(m, k, n, fma_max_rows=fma_max_rows)
     bm, bn, bk = (m if p.fma else block_m or p.block_m), block_n or p.block_n, block_k or p.block_k
@@ -257,33 +184,31 @@ def fp8_matmul_triton(x, w, block_scale, tail=None, *, out_dtype=None, block_m=N
     steps = pl.cdiv(pl.cdiv(k, bk), ns)  # K steps per split
     ragged_k = steps * bk * ns != k
     if p.fma:
-        kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, nt=nt, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
-                                   lanes=lanes or p.lanes, swiglu=k if swiglu else 0)
-        grid = (pl.cdiv(n, bn) + pl.cdiv(nt, bn), ns)
+        kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
+                                   lanes=lanes or p.lanes)
+        grid = (pl.cdiv(n, bn), ns)
     else:
-        kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, nt=nt, bm=bm, bn=bn, bk=bk, steps=steps,
-                                   ragged_k=ragged_k, swiglu=k if swiglu else 0, dtype=work_dtype(x.dtype),
-                                   interpret=bool(interpret))
-        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn) + pl.cdiv(nt, bn), ns)
+        kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
+                                   dtype=work_dtype(x.dtype), interpret=bool(interpret))
+        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), ns)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *g: (0,) * a.ndim)  # noqa: E731  (indexed in the kernel)
-    width = n + nt
     if ns == 1:
-        out_shape = jax.ShapeDtypeStruct((m, width), out_dtype)
-        out_spec = pl.BlockSpec((m, width), lambda *g: (0, 0))
+        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+        out_spec = pl.BlockSpec((m, n), lambda *g: (0, 0))
     else:
-        out_shape = jax.ShapeDtypeStruct((ns, m, width), jnp.float32)
-        out_spec = pl.BlockSpec((None, m, width), lambda *g: (g[-1], 0, 0))
-    args = [x.reshape(m, x.shape[-1]), w, block_scale.astype(jnp.float32)] + ([] if tail is None else [tail])
+        out_shape = jax.ShapeDtypeStruct((ns, m, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, m, n), lambda *g: (g[-1], 0, 0))
+    x2, scale = x.reshape(m, k), block_scale.astype(jnp.float32)
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[whole(a) for a in args],
+        in_specs=[whole(x2), whole(w), whole(scale)],
         out_specs=out_spec,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or p.num_warps, num_stages=num_stages or p.num_stages),
         interpret=interpret,
         name="fp8_matmul",
-    )(*args)
+    )(x2, w, scale)
     if ns > 1:
         y = jnp.sum(y, axis=0).astype(out_dtype)
-    return y.reshape(*lead, width)
+    return y.reshape(*lead, n)
