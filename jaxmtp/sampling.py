@@ -27,11 +27,16 @@ def _int(v, what: str) -> int:
     return int(v)
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest temperature (the step holds temperatures in float32)
+MIN_TEMPERATURE = 1e-5  # smaller temperatures decode greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature 0 is greedy; ``top_k`` 0 disables top-k; ``top_p`` in (0, 1]; ``seed`` None draws one at random.
+    temperature 0 is greedy, and so is a temperature below :data:`MIN_TEMPERATURE` (as in vLLM: dividing float32
+    logits by it would overflow them to ties of infinities); ``top_k`` 0 disables top-k; ``top_p`` in (0, 1]; ``seed`` None draws one at random.
     ``stop`` strings end the output before the string (text) / at the token that completes it (ids);
     ``stop_token_ids`` and the model's EOS ids end it at that token (included in the ids, not in the text).
 
@@ -85,8 +90,11 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(pairs))
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:  # NaN fails too; the step holds it in float32
+            raise ValueError(f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, float32's "
+                             f"largest), got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -104,7 +112,7 @@ class SamplingParams:
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not (0.0 < self.repetition_penalty <= 1e4):
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be in (0, 10000] (1 is off), got {self.repetition_penalty!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids, got {len(self.logit_bias)}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):

@@ -309,6 +309,28 @@ def test_stop_strings_and_stop_token_ids(oai, model):
     assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == first + 1
 
 
+def test_an_assistant_turn_that_called_tools_may_have_no_content(oai, model):
+    """An agent loop's history: the assistant message that called a tool has ``content: None`` (as the openai package
+    writes it back). It is the empty string to the template, as in vLLM: the prompt is transformers' rendering of
+    the chat with ``""`` there (the default model's template refuses a message without content) and the greedy
+    output is jaxmtp.generate's on those ids."""
+    transformers = pytest.importorskip("transformers")
+    from jaxmtp.default_model import default_model_path
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    rendered = [dict(m, content="") if m["content"] is None else m for m in messages]
+    ids = tok.apply_chat_template([{k: m[k] for k in ("role", "content")} for m in rendered],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = reference(model, list(ids), max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    got = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert got.usage.prompt_tokens == len(ids) and got.choices[0].message.content == want.text
+
+
 def test_chat_with_the_default_models_template(oai, grpc_client, model):
     """End to end: the prompt is the default model's template rendered by transformers; the output (seeded
     sampling) equals jaxmtp.generate's on those ids, streamed and not; max_completion_tokens bounds it."""
@@ -416,6 +438,9 @@ BAD_REQUESTS = {
     "temperature": (dict(temperature=-1), "temperature"),
     "top_p": (dict(top_p=0), "top_p"),
     "max_tokens": (dict(max_tokens=100000), "above the server's limit"),
+    "max_tokens zero": (dict(max_tokens=0), "'max_tokens' must be in [1, 2147483647], got 0"),
+    "max_tokens past int32": (dict(max_tokens=2**31), "'max_tokens' must be in [1, 2147483647], got 2147483648"),
+    "max_completion_tokens": (dict(max_completion_tokens=-1), "'max_completion_tokens' must be in [1, "),
     "seed": (dict(seed=-1), "'seed'"),
     "stop id": (dict(extra_body={"stop_token_ids": [10**6]}), "outside the vocabulary"),
     "image part": (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -425,6 +450,12 @@ BAD_REQUESTS = {
                                "messages[0].content[1] is a text part without a string 'text'"),
     "role": (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
     "stream_options without stream": (dict(stream_options={"include_usage": True}), "stream_options"),
+    "temperature past float32": (dict(temperature=1e300), "temperature must be a finite number >= 0 (at most"),
+    "content None on a user message": (dict(messages=[{"role": "user", "content": None}]),
+                                       "messages[0].content is required on a user message"),
+    "template kwargs that set the messages": (dict(extra_body={"chat_template_kwargs": {"messages": [],
+                                                                                        "tools": []}}),
+                                              "'chat_template_kwargs' may not set 'messages', 'tools'"),
 }
 
 

@@ -12,7 +12,7 @@ from scipy import stats
 import jaxmtp
 from hf_builders import EOS
 from jaxmtp.engine import Engine
-from jaxmtp.sampling import MAX_LOGPROBS, SamplingParams, process_logits, sample_tokens
+from jaxmtp.sampling import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams, process_logits, sample_tokens
 
 SETTINGS = dict(num_slots=4, max_context=96, prefill_chunk=16, steps_per_sync=3, max_prefill_batch=2,
                 slot_buckets=False)
@@ -112,6 +112,20 @@ def test_greedy_processing_equals_a_numpy_reference(model, engine, rng):
     for (toks, _, _), prompt, c in zip(got, prompts, cases):
         assert toks == numpy_greedy(model, prompt, 14, **c)
     assert got[0][0] != plain  # the processing changed the output
+
+
+def test_a_temperature_below_the_minimum_decodes_greedily(model, engine, rng):
+    """Temperatures under MIN_TEMPERATURE are greedy, as in vLLM: the step's float32 logits divided by 1e-40 would be
+    ties of infinities, whose first id is not the argmax. Float32's largest temperature is taken, a larger refused."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.0 and SamplingParams(temperature=2e-5).temperature == 2e-5
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=1e39)
+    prompt = rng.integers(0, EOS, 15).tolist()
+    tiny = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1e-40, seed=3)
+    for k in (0, 3):
+        assert run(engine(k), [prompt], tiny)[0][0] == numpy_greedy(model, prompt, 12, stop=())
+    top = run(engine(0), [prompt], SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=FLOAT32_MAX, seed=3))
+    assert len(top[0][0]) == 4 and all(0 <= t < model.config.vocab_size for t in top[0][0])
 
 
 def test_min_tokens_masks_eos_until_reached(model, engine, rng):

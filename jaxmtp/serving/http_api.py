@@ -81,6 +81,7 @@ NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format"
            "include_stop_str_in_output": (False,), "use_beam_search": (False,)}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT32_MAX = 2**31 - 1
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set from the request
 
 
 class ApiError(Exception):
@@ -328,6 +329,10 @@ def _chat_messages(raw: Any) -> list[dict]:
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = _text_content(m.get("content"), i)
+        if msg["content"] is None:  # OpenAI allows it on an assistant message (one that calls tools): "" as in vLLM
+            if role != "assistant":
+                raise ApiError(400, f"messages[{i}].content is required on a {role} message", "messages")
+            msg["content"] = ""
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
@@ -604,7 +609,7 @@ class HttpApi:
         else:
             raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
         job = _Job(self, body, chat=False, rid=f"cmpl-{uuid.uuid4().hex}")
-        await job.parse(req, max_tokens=_get_int(body, "max_tokens", -INT32_MAX, INT32_MAX))
+        await job.parse(req, max_tokens=_get_int(body, "max_tokens", 1, INT32_MAX))
         return job
 
     async def _prepare_chat(self, body: dict) -> "_Job":
@@ -629,12 +634,16 @@ class HttpApi:
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
         kwargs = dict(kwargs)
+        taken = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(map(repr, taken))}: the request's "
+                                "own fields set it", "chat_template_kwargs")
         if choice is not None:
             kwargs.setdefault("tool_choice", choice)
         add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
-        max_tokens = _get_int(body, "max_completion_tokens", -INT32_MAX, INT32_MAX)
+        max_tokens = _get_int(body, "max_completion_tokens", 1, INT32_MAX)
         if max_tokens is None:
-            max_tokens = _get_int(body, "max_tokens", -INT32_MAX, INT32_MAX)
+            max_tokens = _get_int(body, "max_tokens", 1, INT32_MAX)
 
         def render():
             text = tpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
