@@ -103,7 +103,7 @@ def test_plan_and_refusals(rng):
     for w, s in ((q, scale[:, :1]), (q.astype(F32), scale)):  # scale shape, weight dtype
         with pytest.raises(ValueError):
             fp8_matmul_triton(x, w, s, interpret=True)
-    for tiles in (dict(block_n=48), dict(block_k=192), dict(block_m=8, fma_max_rows=0)):
+    for tiles in (dict(block_n=48), dict(block_k=192), dict(block_m=8, fma_max_rows=0), dict(lanes=3, fma_max_rows=4)):
         with pytest.raises(ValueError):
             fp8_matmul_triton(x, q, scale, interpret=True, **tiles)
 

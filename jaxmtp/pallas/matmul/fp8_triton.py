@@ -66,8 +66,8 @@ def supports(m: int, k: int, n: int) -> bool:
 
 
 def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS) -> Plan:
-    """Default tiles for x [m, k] times an e4m3 W [n, k], the best of a sweep at Qwen3.5-27B shapes on an H200
-    (``scripts/sweep_fp8_tiles.py``; docs/performance.md, "FP8").
+    """Default tiles for x [m, k] times an e4m3 W [n, k], the best of sweeps at Qwen3.5-27B shapes
+    (``scripts/sweep_fp8_tiles.py``: one row on an H100, more rows on an H200; docs/performance.md, "FP8").
 
     Multiply-add path (one row): four rows of W per program (two for N <= 4096), steps of 1024 along K (512 or
     256 where 1024 does not divide K, 128 for K not a multiple of 128, the last step masked; at most 512 for 3-4
@@ -163,10 +163,11 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
                       num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
-    [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype`` (default x.dtype), float32 accumulation.
-    Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core path; tiles default to :func:`plan`
-    (``block_m``: the tensor-core path only). BN must divide 128, BM (a power of two >= 16) and BK (a power of two
-    >= 128) are free; ``splits`` divides the K steps between programs (float32 partials, summed here)."""
+    [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype``
+    (default x.dtype), float32 accumulation. Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core
+    path; tiles default to :func:`plan` (``block_m``: the tensor-core path only; ``lanes``: the multiply-add path
+    only). BN must divide 128, BM (a power of two >= 16) and BK (a power of two >= 128, a multiple of ``lanes``) are
+    free; ``splits`` divides the K steps between programs (float32 partials, summed here)."""
     lead, k = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), w.shape[0]
     n_blocks = (pl.cdiv(n, FP8_BLOCK), pl.cdiv(k, FP8_BLOCK))
@@ -178,14 +179,16 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
     p = plan(m, k, n, fma_max_rows=fma_max_rows)
     bm, bn, bk = (m if p.fma else block_m or p.block_m), block_n or p.block_n, block_k or p.block_k
     ns = splits or p.splits
-    if FP8_BLOCK % bn or bk % FP8_BLOCK or bk != next_pow2(bk) or (not p.fma and (bm < 16 or bm != next_pow2(bm))):
-        raise ValueError(f"tiles BM={bm}, BN={bn}, BK={bk}: BN must divide {FP8_BLOCK}, BK be a power of two >= "
-                         f"{FP8_BLOCK} and BM (tensor-core path) one >= 16")
+    lanes = lanes or p.lanes
+    if (FP8_BLOCK % bn or bk % FP8_BLOCK or bk != next_pow2(bk) or (not p.fma and (bm < 16 or bm != next_pow2(bm)))
+            or bk % lanes):
+        raise ValueError(f"tiles BM={bm}, BN={bn}, BK={bk}, lanes={lanes}: BN must divide {FP8_BLOCK}, BK be a power "
+                         f"of two >= {FP8_BLOCK} that lanes divides and BM (tensor-core path) one >= 16")
     steps = pl.cdiv(pl.cdiv(k, bk), ns)  # K steps per split
     ragged_k = steps * bk * ns != k
     if p.fma:
         kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
-                                   lanes=lanes or p.lanes)
+                                   lanes=lanes)
         grid = (pl.cdiv(n, bn), ns)
     else:
         kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
