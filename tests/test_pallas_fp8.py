@@ -87,6 +87,30 @@ def test_multiply_add_accumulators(rng, m, k, n, lanes):
     _check(*_inputs(rng, (m,), k, n, F32), fma_max_rows=4, lanes=lanes)
 
 
+@pytest.mark.parametrize("fma_max_rows", [1, 4])
+def test_the_policy_picks_the_path(rng, monkeypatch, fma_max_rows):
+    """``fp8_linear`` hands the kernel policy's ``fp8_fma_max_rows`` and ``fp8_fma_lanes`` to the kernel, whose 3-row
+    product then takes the multiply-add path (threshold 4) or tensor cores (1); both equal float64."""
+    import dataclasses
+
+    from jaxmtp.pallas import matmul
+    from jaxmtp.pallas.policy import DEFAULT_POLICY
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["fma_max_rows"], kw["lanes"]))
+        return fp8_matmul_triton(*args, **kw)
+
+    monkeypatch.setattr(matmul, "fp8_matmul_triton", spy)
+    x, q, scale, w64 = _inputs(rng, (3,), 200, 300, F32)
+    policy = dataclasses.replace(DEFAULT_POLICY, fp8_fma_max_rows=fma_max_rows)
+    y = matmul.fp8_linear(x, {"weight": q, "block_scale": scale}, implementation="triton_interpret", policy=policy)
+    assert seen == [(fma_max_rows, DEFAULT_POLICY.fp8_fma_lanes)]
+    assert plan(3, 200, 300, fma_max_rows=fma_max_rows).fma == (fma_max_rows >= 3)
+    assert _rel_err(y, np.asarray(x, np.float64) @ w64.T) < 1e-5
+
+
 def test_plan_and_refusals(rng):
     for m in (1, 2, 3, 4, 5, 17, 64, 300):
         for k, n in ((5120, 17408), (17408, 5120), (5120, 12288), (200, 300), (64, 40)):

@@ -68,6 +68,9 @@ class KernelPolicy:
     # one-row FP8 kernel: products each thread sums in registers before adding them to its accumulator (1: an
     # accumulator as wide as the weight tile; 16, one per 16-byte load, measured faster at every 27B shape)
     fp8_fma_lanes: int = 16
+    # rows up to which a block-FP8 product takes the multiply-add path (more: tensor cores); one row measured faster on
+    # multiply-adds and 2-4 rows on tensor cores, with the tile-wide accumulator (lanes 1); not re-measured since
+    fp8_fma_max_rows: int = 1
 
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
     output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K
