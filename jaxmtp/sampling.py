@@ -36,7 +36,8 @@ class SamplingParams:
     """Per-request decoding settings.
 
     temperature 0 is greedy, and so is a temperature below :data:`MIN_TEMPERATURE` (as in vLLM: dividing float32
-    logits by it would overflow them to ties of infinities); ``top_k`` 0 disables top-k; ``top_p`` in (0, 1]; ``seed`` None draws one at random.
+    logits by it would overflow them to ties of infinities); ``top_k`` 0 disables top-k; ``top_p`` in (0, 1];
+    ``seed`` None draws one at random.
     ``stop`` strings end the output before the string (text) / at the token that completes it (ids);
     ``stop_token_ids`` and the model's EOS ids end it at that token (included in the ids, not in the text).
 

@@ -103,9 +103,10 @@ def bench_steps(model, batch: int, k: int, context: int, syncs: int, steps_per_s
         accepted += int(out["accepted"].sum())
         steps += int(out["was_active"].sum())
     step_s = float(np.median(times)) / steps_per_sync
-    plan = memory_plan(cfg, batch, context, k, model.dtype, fp8=fp8_scheme(model.params))
+    fp8 = fp8_scheme(model.params)
+    plan = memory_plan(cfg, batch, context, k, model.dtype, fp8=fp8)
     need = step_bytes(cfg, batch, k, context + room // 2, head_bytes=draft_head_bytes(model.params),
-                      mtp_stored=mtp_bytes(model.params), fp8=fp8_scheme(model.params))
+                      mtp_stored=mtp_bytes(model.params), fp8=fp8)
     del eng
     return {
         "batch": batch, "k": k, "context": context, "step_ms": step_s * 1e3, "compile_s": compile_s,

@@ -28,10 +28,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmtp import shapes  # noqa: E402
-from jaxmtp.fp8 import STANDARD  # noqa: E402
-from jaxmtp.benchmarking import (LAYOUTS, covered_time, draft_head_bytes, hlo_sources, is_device_stream,  # noqa: E402
-                                 mtp_bytes, random_model, read_trace, run_metadata, step_bytes, synthetic_engine,
-                                 timed_loops, tiny_config, write_json)
+from jaxmtp.benchmarking import (LAYOUTS, covered_time, draft_head_bytes, fp8_scheme, hlo_sources,  # noqa: E402
+                                 is_device_stream, mtp_bytes, random_model, read_trace, run_metadata, step_bytes,
+                                 synthetic_engine, timed_loops, tiny_config, write_json)
 from jaxmtp.pallas import override_backend, resolve_backend  # noqa: E402
 
 
@@ -161,7 +160,7 @@ def main(argv=None) -> int:
             r["bytes_needed"] = step_bytes(cfg, int(b), int(k), args.context,
                                            head_bytes=draft_head_bytes(model.params),
                                            mtp_stored=mtp_bytes(model.params),
-                                           fp8=STANDARD if args.quantization else None)["total"]
+                                           fp8=fp8_scheme(model.params))["total"]
             result["runs"].append(r)
             write_json(args.out, result)
             print(f"{args.model} B={b} k={k} sampling={sampling}: step {r['wall_ms_per_step']:.2f} ms traced "

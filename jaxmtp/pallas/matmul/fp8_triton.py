@@ -41,9 +41,11 @@ from jax.experimental.pallas import triton as pltr
 
 from jaxmtp.pallas._common import mm, next_pow2, work_dtype
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
+from jaxmtp.pallas.policy import DEFAULT_POLICY
 
-FMA_MAX_ROWS = 1  # up to this many rows the multiply-add path (measured: dots win from two rows), then dots
-LANES = 16  # multiply-add path: one thread's 16-byte load of e4m3, summed in registers before accumulating
+# the kernel policy's defaults (jaxmtp.pallas.policy, where they are measured), for calls that name no tiles
+FMA_MAX_ROWS = DEFAULT_POLICY.fp8_fma_max_rows  # up to this many rows the multiply-add path, then tensor cores
+LANES = DEFAULT_POLICY.fp8_fma_lanes  # multiply-add path: products a thread sums in registers before accumulating
 
 
 class Plan(NamedTuple):
