@@ -40,7 +40,7 @@ def fma_tiles(lanes=(1, 16)):
 
 def dot_tiles(m: int):
     bm = max(16, min(64, 1 << (m - 1).bit_length()))
-    for bn, bk, splits, stages in itertools.product((32, 64, 128), (128, 256, 512), (2, 4, 8), (3,)):
+    for bn, bk, splits, stages in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (3,)):
         yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
 
 
@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:gate_up,1:down,1:in_proj,1:out,2:gate_up,2:down,4:gate_up,4:down,8:gate_up,"
                                       "32:gate_up,32:down")
-    ap.add_argument("--paths", default="both", choices=["rows", "both"],
-                    help="rows: the path the row count takes by default; both: multiply-add and dots for 2-4 rows")
+    ap.add_argument("--paths", default="both", choices=["rows", "both", "dots"],
+                    help="rows: the path the row count takes by default; both: multiply-add and dots for 2-4 rows; "
+                    "dots: tensor cores only")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=400.0)
@@ -88,8 +89,8 @@ def main(argv=None) -> int:
         default = plan(m, k, n)
         entry = {"rows": m, "K": k, "N": n, "name": name, "weight_bytes": nbytes, "default_plan": default._asdict(),
                  "tiles": []}
-        tiles = list(fma_tiles(tuple(int(v) for v in args.lanes.split(",")))) if m <= 4 else []
-        if m > 4 or (args.paths == "both" and m > 1):
+        tiles = list(fma_tiles(tuple(int(v) for v in args.lanes.split(",")))) if m <= 4 and args.paths != "dots" else []
+        if m > 4 or (args.paths != "rows" and m > 1):
             tiles += list(dot_tiles(m))
         if args.smoke:
             tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]

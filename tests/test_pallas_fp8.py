@@ -89,8 +89,9 @@ def test_multiply_add_accumulators(rng, m, k, n, lanes):
 
 @pytest.mark.parametrize("fma_max_rows", [1, 4])
 def test_the_policy_picks_the_path(rng, monkeypatch, fma_max_rows):
-    """``fp8_linear`` hands the kernel policy's ``fp8_fma_max_rows`` and ``fp8_fma_lanes`` to the kernel, whose 3-row
-    product then takes the multiply-add path (threshold 4) or tensor cores (1); both equal float64."""
+    """``fp8_linear`` hands the kernel policy's ``fp8_fma_max_rows``, ``fp8_fma_lanes`` and ``fp8_dot_min_programs``
+    to the kernel, whose 3-row product then takes the multiply-add path (threshold 4) or tensor cores (1); both equal
+    float64."""
     import dataclasses
 
     from jaxmtp.pallas import matmul
@@ -99,14 +100,14 @@ def test_the_policy_picks_the_path(rng, monkeypatch, fma_max_rows):
     seen = []
 
     def spy(*args, **kw):
-        seen.append((kw["fma_max_rows"], kw["lanes"]))
+        seen.append((kw["fma_max_rows"], kw["lanes"], kw["dot_min_programs"]))
         return fp8_matmul_triton(*args, **kw)
 
     monkeypatch.setattr(matmul, "fp8_matmul_triton", spy)
     x, q, scale, w64 = _inputs(rng, (3,), 200, 300, F32)
-    policy = dataclasses.replace(DEFAULT_POLICY, fp8_fma_max_rows=fma_max_rows)
+    policy = dataclasses.replace(DEFAULT_POLICY, fp8_fma_max_rows=fma_max_rows, fp8_dot_min_programs=fma_max_rows * 8)
     y = matmul.fp8_linear(x, {"weight": q, "block_scale": scale}, implementation="triton_interpret", policy=policy)
-    assert seen == [(fma_max_rows, DEFAULT_POLICY.fp8_fma_lanes)]
+    assert seen == [(fma_max_rows, DEFAULT_POLICY.fp8_fma_lanes, fma_max_rows * 8)]
     assert plan(3, 200, 300, fma_max_rows=fma_max_rows).fma == (fma_max_rows >= 3)
     assert _rel_err(y, np.asarray(x, np.float64) @ w64.T) < 1e-5
 
@@ -121,7 +122,11 @@ def test_plan_and_refusals(rng):
                 assert k % p.block_k == 0
             if not p.fma:  # K split so that each program keeps at least 4 of its 128-wide blocks
                 assert p.block_m >= min(m, 64) and -(-k // FP8_BLOCK) >= 4 * p.splits or p.splits == 1
-    assert plan(32, 17408, 5120).splits == 8 and plan(4, 5120, 34816).splits == 4 and plan(1, 5120, 34816).fma
+    assert plan(32, 17408, 5120).splits == 8 and plan(1, 5120, 34816).fma
+    # the verify window's products at 27B: W tiles of 32 rows; K split until 1024 programs, gate|up not at all
+    assert [plan(4, k, n).splits for k, n in ((5120, 34816), (5120, 16384), (17408, 5120), (6144, 5120))] == [1, 2, 8, 8]
+    assert plan(4, 5120, 34816).block_n == 32 and plan(4, 5120, 34816, dot_min_programs=0)[2:4] == (64, 128)
+    assert plan(4, 5120, 34816, dot_min_programs=0).splits == 4 and plan(17, 5120, 34816).block_n == 64
     assert not supports(0, 256, 384)
     x, q, scale, _ = _inputs(rng, (2,), 256, 384, F32)
     for w, s in ((q, scale[:, :1]), (q.astype(F32), scale)):  # scale shape, weight dtype

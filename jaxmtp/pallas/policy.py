@@ -71,6 +71,11 @@ class KernelPolicy:
     # rows up to which a block-FP8 product takes the multiply-add path (more: tensor cores); one row measured faster on
     # multiply-adds and 2-4 rows on tensor cores, with the tile-wide accumulator (lanes 1); not re-measured since
     fp8_fma_max_rows: int = 1
+    # tensor-core path at up to 16 rows (the verify window): W tiles of 32 rows, K split (at most in 8) until the grid
+    # has at least this many programs, so that wide products run one launch with no partial sums (measured at 4 rows
+    # on an H100 as fast as or faster than 64-row tiles split by K alone at every 27B shape); 0: 64-row tiles and
+    # splits by K's length, as for more rows
+    fp8_dot_min_programs: int = 1024
 
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
     output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K

@@ -45,6 +45,7 @@ from jaxmtp.pallas.policy import DEFAULT_POLICY
 
 # the kernel policy's defaults (jaxmtp.pallas.policy, where they are measured), for calls that name no tiles
 FMA_MAX_ROWS = DEFAULT_POLICY.fp8_fma_max_rows  # up to this many rows the multiply-add path, then tensor cores
+DOT_MIN_PROGRAMS = DEFAULT_POLICY.fp8_dot_min_programs  # tensor cores, up to 16 rows: K split until this many programs
 LANES = DEFAULT_POLICY.fp8_fma_lanes  # multiply-add path: products a thread sums in registers before accumulating
 
 
@@ -67,7 +68,7 @@ def supports(m: int, k: int, n: int) -> bool:
     return m >= 1 and k >= 1 and n >= 1
 
 
-def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS) -> Plan:
+def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS, dot_min_programs: int = DOT_MIN_PROGRAMS) -> Plan:
     """Default tiles for x [m, k] times an e4m3 W [n, k], the best of sweeps at Qwen3.5-27B shapes
     (``scripts/sweep_fp8_tiles.py``: one row on an H100, more rows on an H200; docs/performance.md, "FP8").
 
@@ -76,16 +77,24 @@ def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS) -> Plan:
     rows, whose accumulators must fit in registers), :data:`LANES` products summed per thread before they are
     accumulated; one split. With the kernel's time from a profiler trace (``--timing kernel``) these tiles were
     the fastest or within 2% of it at every 27B shape on an H100.
-    Tensor-core path (two rows and more: the sweep found it 1.4-2.6x faster than multiply-adds already at 2-4 rows):
-    BM the rows rounded up to a power of two (16 to 64), BN = 64, BK = 128 (one dot per scale block), three
-    pipeline stages, and K split in 8 where that leaves at least 8 blocks of K per program, else in 4 (more programs
-    in flight per SM: splits of 4-8 were the fastest at every swept shape)."""
+    Tensor-core path (two rows and more: the sweep found it 1.1-2.6x faster than multiply-adds already at 2-4 rows):
+    BM the rows rounded up to a power of two (16 to 64), BK = 128 (one dot per scale block), three pipeline stages.
+    Up to 16 rows (``dot_min_programs`` > 0): BN = 32 and K split in 1, 2, 4 or 8 (each split keeping at least 4
+    blocks of K) until the grid has at least ``dot_min_programs`` programs (one launch and no partial sums for the
+    wide products; an H100 at 4 rows). More
+    rows: BN = 64 and K split in 8 where that leaves at least 8 blocks of K per program, else in 4 (more programs in
+    flight per SM: splits of 4-8 were the fastest at every shape swept on an H200)."""
     steps = pl.cdiv(k, FP8_BLOCK)  # 128-wide blocks of K
     if m <= fma_max_rows:
         widest = 1024 if m <= 2 else 512
         bk = next((b for b in (1024, 512, 256) if b <= widest and k % b == 0), FP8_BLOCK)
         return Plan(True, m, 2 if n <= 4096 else 4, bk, 1, 4, 2, LANES)
     bm = min(64, max(16, next_pow2(m)))
+    if bm == 16 and dot_min_programs > 0:
+        splits, programs = 1, pl.cdiv(n, 32)
+        while splits < 8 and steps >= 8 * splits and programs * splits < dot_min_programs:  # >= 4 blocks a split
+            splits *= 2
+        return Plan(False, bm, 32, FP8_BLOCK, splits, 4, 3)
     splits = 8 if steps >= 64 else 4 if steps >= 16 else 2 if steps >= 4 else 1
     return Plan(False, bm, 64, FP8_BLOCK, splits, 4, 3)
 
@@ -161,9 +170,10 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "splits", "num_warps",
-                                             "num_stages", "fma_max_rows", "lanes", "interpret"))
+                                             "num_stages", "fma_max_rows", "lanes", "dot_min_programs", "interpret"))
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
-                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None, interpret=False):
+                      num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None,
+                      dot_min_programs=DOT_MIN_PROGRAMS, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
     [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype``
     (default x.dtype), float32 accumulation. Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core
@@ -178,7 +188,7 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
         raise ValueError(f"unsupported FP8 product: x {x.shape} {x.dtype}, W {w.shape} {w.dtype}, scale "
                          f"{block_scale.shape} (want {n_blocks})")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    p = plan(m, k, n, fma_max_rows=fma_max_rows)
+    p = plan(m, k, n, fma_max_rows=fma_max_rows, dot_min_programs=dot_min_programs)
     bm, bn, bk = (m if p.fma else block_m or p.block_m), block_n or p.block_n, block_k or p.block_k
     ns = splits or p.splits
     lanes = lanes or p.lanes
