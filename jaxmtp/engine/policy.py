@@ -16,8 +16,8 @@ at the acceptance lengths published for Qwen3.5's MTP head (1.9 / 2.4 / 2.9 for 
   the experts, else 0.
 
 * block-FP8 weights make the plain step faster (fewer bytes) while the FP8 kernels carry more fixed cost per
-  product, so the verify step costs relatively more: re-measured at batch 1, k = 3 still gives 2.32x (H100) and
-  2.24x (H200, an earlier one-row kernel) FP8 plain decoding's tokens/s at 27B, 1.94-1.95x at 35B-A3B
+  product, so the verify step costs relatively more: re-measured at batch 1, k = 3 still gives 2.28-2.33x (two
+  H100s) and 2.24x (H200, an earlier one-row kernel) FP8 plain decoding's tokens/s at 27B, 1.94-1.95x at 35B-A3B
   (docs/performance.md, "FP8"), so FP8 models take the same k. Their larger batches were not measured.
 
 With a drafter that accepts less than published (AL below the step-cost ratio), pass ``num_draft_tokens``
