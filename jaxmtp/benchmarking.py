@@ -138,7 +138,10 @@ def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
                   generated=np.ones((s,), np.int32), active=np.ones((s,), bool))
     # from the host, placed as the engine's state is (a sharded model's state spans the mesh, in the mesh's device
     # order; the loop donates it)
-    eng.state = state.replace(**{name: jax.device_put(v, getattr(state, name).sharding) for name, v in fields.items()})
+    state = state.replace(**{name: jax.device_put(v, getattr(state, name).sharding) for name, v in fields.items()})
+    # every leaf committed to its device(s), as the loop's outputs are: jit keys its cache on that, so a state of
+    # uncommitted leaves (created outside jit) would compile the loop once for the first call and again for the next
+    eng.state = jax.tree_util.tree_map(lambda a: jax.device_put(a, a.sharding), state)
 
 
 def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, steps_per_sync: int) -> Engine:

@@ -65,3 +65,20 @@ def test_result_files_carry_the_run_metadata(tmp_path):
     write_json(str(path), {**meta, "value": np.float32(1.5)})
     assert json.loads(path.read_text()) == {**meta, "value": "1.5"}
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_the_synthetic_engine_compiles_its_loop_once():
+    """A filled synthetic engine's state is committed as the loop's outputs are, so the second timed loop reuses the
+    first one's executable (jit keys its cache on committed-ness: a state built outside jit compiled twice); the
+    slots advance as in decoding (each active, lengths growing)."""
+    from jaxmtp.benchmarking import synthetic_engine
+
+    model = random_model(tiny_config("qwen3.5-0.8b"), jnp.float32, "xla", quantize_mtp_layer=False)
+    eng = synthetic_engine(model, 2, 1, 24, room=40, steps_per_sync=2)
+    loop = eng.device_loop()
+    before = np.asarray(eng.state.length)
+    for _ in range(3):
+        eng.state, out = loop(model.params, eng.state)
+        jax.block_until_ready(out)
+    assert loop._cache_size() == 1
+    assert (np.asarray(eng.state.length) > before).all() and np.asarray(eng.state.active).all()
