@@ -38,10 +38,10 @@ def fma_tiles(lanes=(1, 16)):
         yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=2, splits=1, lanes=lane)
 
 
-def dot_tiles(m: int):
+def dot_tiles(m: int, stages=(3,), warps=(4,)):
     bm = max(16, min(64, 1 << (m - 1).bit_length()))
-    for bn, bk, splits, stages in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (3,)):
-        yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=4, num_stages=stages)
+    for bn, bk, splits, stage, warp in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), stages, warps):
+        yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warp, num_stages=stage)
 
 
 def time_product(x, ws, tiles: dict, calls: int, reps: int, timing: str = "wall") -> float:
@@ -69,6 +69,8 @@ def main(argv=None) -> int:
                     help="wall clock of the chained loop, or the kernels' device time from a profiler trace")
     ap.add_argument("--lanes", default="1,16", help="multiply-add path: products summed per thread before "
                     "accumulating (1: a [BN, BK] accumulator)")
+    ap.add_argument("--dot-stages", default="3", help="tensor-core path: pipeline stages to try, e.g. 2,3,4")
+    ap.add_argument("--dot-warps", default="4", help="tensor-core path: warps per program to try, e.g. 4,8")
     ap.add_argument("--out", default="fp8_tiles.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
     args = ap.parse_args(argv)
@@ -91,7 +93,8 @@ def main(argv=None) -> int:
                  "tiles": []}
         tiles = list(fma_tiles(tuple(int(v) for v in args.lanes.split(",")))) if m <= 4 and args.paths != "dots" else []
         if m > 4 or (args.paths != "rows" and m > 1):
-            tiles += list(dot_tiles(m))
+            tiles += list(dot_tiles(m, tuple(int(v) for v in args.dot_stages.split(",")),
+                                    tuple(int(v) for v in args.dot_warps.split(","))))
         if args.smoke:
             tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]
             ws = ws[:2]
