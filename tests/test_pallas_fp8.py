@@ -124,7 +124,8 @@ def test_plan_and_refusals(rng):
                 assert p.block_m >= min(m, 64) and -(-k // FP8_BLOCK) >= 4 * p.splits or p.splits == 1
     assert plan(32, 17408, 5120).splits == 8 and plan(1, 5120, 34816).fma
     # the verify window's products at 27B: W tiles of 32 rows; K split until 1024 programs, gate|up not at all
-    assert [plan(4, k, n).splits for k, n in ((5120, 34816), (5120, 16384), (17408, 5120), (6144, 5120))] == [1, 2, 8, 8]
+    shapes = ((5120, 34816), (5120, 16384), (17408, 5120), (6144, 5120))
+    assert [plan(4, k, n).splits for k, n in shapes] == [1, 2, 8, 8]
     assert plan(4, 5120, 34816).block_n == 32 and plan(4, 5120, 34816, dot_min_programs=0)[2:4] == (64, 128)
     assert plan(4, 5120, 34816, dot_min_programs=0).splits == 4 and plan(17, 5120, 34816).block_n == 64
     assert not supports(0, 256, 384)

@@ -69,12 +69,13 @@ class KernelPolicy:
     # accumulator as wide as the weight tile; 16, one per 16-byte load, measured faster at every 27B shape)
     fp8_fma_lanes: int = 16
     # rows up to which a block-FP8 product takes the multiply-add path (more: tensor cores); one row measured faster on
-    # multiply-adds and 2-4 rows on tensor cores, with the tile-wide accumulator (lanes 1); not re-measured since
+    # multiply-adds and 4 rows on tensor cores, also with the per-thread sums (27B k = 3 step 14.50 against 28.78 ms
+    # with 4 here, H100)
     fp8_fma_max_rows: int = 1
     # tensor-core path at up to 16 rows (the verify window): W tiles of 32 rows, K split (at most in 8) until the grid
-    # has at least this many programs, so that wide products run one launch with no partial sums (measured at 4 rows
-    # on an H100 as fast as or faster than 64-row tiles split by K alone at every 27B shape); 0: 64-row tiles and
-    # splits by K's length, as for more rows
+    # has at least this many programs, so that wide products run one launch with no partial sums (at 4 rows on an
+    # H100: faster than 64-row tiles split by K alone at three 27B shapes, 1.5% slower at down; the 27B FP8 k = 3
+    # step 14.73 against 15.22 ms); 0: 64-row tiles and splits by K's length, as for more rows
     fp8_dot_min_programs: int = 1024
 
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
