@@ -153,7 +153,8 @@ def served(model, compile_cache):
     try:
         api = start_in_thread(srv)
         base = f"http://127.0.0.1:{api.port}"
-        record = {"health_before": request(base, "GET", "/health")}
+        record = {"health_before": request(base, "GET", "/health"),
+                  "tokenize_before": request(base, "POST", "/tokenize", {"model": MODEL, "prompt": "def f(x):"})}
         try:
             openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0).completions.create(
                 model=MODEL, prompt="x", max_tokens=2)
@@ -244,12 +245,14 @@ def sample(m, name, **labels):
 
 
 # ---- tests -----------------------------------------------------------------------------------------------------
-def test_warming_up_is_503_then_health_turns_ok(served, base):
+def test_warming_up_is_503_then_health_turns_ok(served, base, model):
     record = served[3]
     status, _, body = record["health_before"]
     assert status == 503 and "warming up" in body["error"]["message"]
     e = record["completion_before"]
     assert e.status_code == 503 and "warming up" in e.message
+    status, _, body = record["tokenize_before"]  # the tokenizer endpoints need no engine
+    assert status == 200 and body["tokens"] == model.tokenizer.encode("def f(x):").ids
     assert request(base, "GET", "/health")[::2] == (200, {"status": "ok"})
 
 
@@ -356,6 +359,48 @@ def test_chat_with_the_default_models_template(oai, grpc_client, model):
     assert over_grpc.prompt_tokens == len(ids) and over_grpc.text == want.text
 
 
+def test_tokenize_and_detokenize(base, oai):
+    """vLLM's /tokenize gives the ids a request feeds the engine: a prompt's as transformers' tokenizer encodes it
+    (and as a completion's usage counts them), a chat's as transformers renders and encodes the template, with and
+    without the generation prompt; /detokenize gives random text back from its ids; bad input is a 400."""
+    transformers = pytest.importorskip("transformers")
+    from jaxmtp.default_model import default_model_path
+
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    rng = random.Random(7)
+    alphabet = "abcxyz XYZ019_(){}[]:.,=\n\t'\"éàüß中文😀"
+    for _ in range(6):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80)))
+        status, _, got = request(base, "POST", "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+        want = tok(text)["input_ids"]
+        assert status == 200 and got["tokens"] == want and got["count"] == len(want)
+        assert got["max_model_len"] == ENGINE_KW["max_context"]
+        assert got["token_strs"] == tok.convert_ids_to_tokens(want)
+        assert request(base, "POST", "/detokenize", {"model": MODEL, "tokens": want})[::2] == (200, {"prompt": text})
+    assert oai.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens == len(want)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a dict."},
+                {"role": "assistant", "content": "sorted(d.items())"}, {"role": "user", "content": "By value?"}]
+    for gen in (True, False):
+        want = tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True, return_dict=False)
+        status, _, got = request(base, "POST", "/tokenize", {"messages": messages, "add_generation_prompt": gen})
+        assert status == 200 and got["tokens"] == list(want) and got["token_strs"] is None
+    usage = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert usage.prompt_tokens == len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False))
+    vocab = tok.vocab_size
+    for path, body, param in [("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                              ("/detokenize", {"tokens": [vocab + 5]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/detokenize", {"tokens": [1], "skip": True}, "skip"),
+                              ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "max_tokens": 3}, "max_tokens"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt")]:
+        status, _, got = request(base, "POST", path, body)
+        assert status == 400 and got["error"]["param"] == param, (path, body, got)
+    assert request(base, "POST", "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
 def test_32_concurrent_streams_get_their_own_outputs(base, oai, grpc_client):
     """32 streams at once (4 slots, 28 queued): each equals the same request made alone."""
     n = 32
@@ -453,6 +498,9 @@ BAD_REQUESTS = {
     "temperature past float32": (dict(temperature=1e300), "temperature must be a finite number >= 0 (at most"),
     "content None on a user message": (dict(messages=[{"role": "user", "content": None}]),
                                        "messages[0].content is required on a user message"),
+    "name not a string": (dict(messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "y",
+                                                                             "name": 5}]),
+                          "messages[1].name must be a string"),
     "template kwargs that set the messages": (dict(extra_body={"chat_template_kwargs": {"messages": [],
                                                                                         "tools": []}}),
                                               "'chat_template_kwargs' may not set 'messages', 'tools'"),
@@ -797,13 +845,16 @@ def test_metrics_parse_and_move_with_traffic(base, oai, grpc_client):
 
 
 def test_api_key(served, base):
-    """With an API key (``--api-key``), /v1 needs ``Authorization: Bearer KEY``; /health and /metrics stay open."""
+    """With an API key (``--api-key``), /v1 and the tokenizer endpoints need ``Authorization: Bearer KEY``; /health
+    and /metrics stay open."""
     api = served[1]
     old, api._auth = api._auth, b"Bearer sesame"  # what HttpApi derives from ServerConfig.api_key
     try:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
         assert request(base, "GET", "/v1/models")[0] == 401
+        assert request(base, "POST", "/tokenize", {"prompt": "x"})[0] == 401
+        assert request(base, "POST", "/detokenize", {"tokens": [1]})[0] == 401
         good = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0)
         assert [m.id for m in good.models.list().data] == [MODEL]
         assert request(base, "GET", "/health")[0] == 200 and request(base, "GET", "/metrics")[0] == 200

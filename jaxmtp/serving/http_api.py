@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, beside the gRPC one, on the same scheduler and engine (docs/serving.md).
 
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
-server-sent events with ``"stream": true``), ``GET /health``, ``GET /metrics`` (Prometheus text). A Starlette app
+server-sent events with ``"stream": true``), vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``,
+``GET /metrics`` (Prometheus text). A Starlette app
 served by uvicorn on the gRPC server's event loop: a request is parsed here, validated by the gRPC server's own
 ``_parse`` (so both protocols share every limit and message), handed to the same :class:`Scheduler`, and its deltas
 come back through the same ``call_soon_threadsafe`` hand-off into an ``asyncio.Queue``. A client that disconnects
@@ -75,6 +76,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "add_generation_prompt", "logprobs", "top_logprobs"}
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {"model", "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt",
+                        "add_special_tokens", "return_token_strs"}
 # Fields accepted only at the value that changes nothing (anything else needs a feature the engine lacks).
 NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
            "length_penalty": (1,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
@@ -326,6 +330,8 @@ def _chat_messages(raw: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                            "messages")
+        if not isinstance(m.get("name") or "", str):  # OpenAI's participant name (templates may render it)
+            raise ApiError(400, f"messages[{i}].name must be a string", "messages")
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = _text_content(m.get("content"), i)
@@ -405,6 +411,8 @@ class HttpApi:
             Route("/v1/models/{model:path}", self._model, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
         ]
@@ -612,8 +620,9 @@ class HttpApi:
         await job.parse(req, max_tokens=_get_int(body, "max_tokens", 1, INT32_MAX))
         return job
 
-    async def _prepare_chat(self, body: dict) -> "_Job":
-        _check_fields(body, CHAT_FIELDS)
+    async def _chat_prompt(self, body: dict, add_special_tokens: bool = False):
+        """The request's messages rendered by the chat template and tokenised, as a chat completion feeds them to
+        the engine: ``(text, ids, tools, tool_choice)``."""
         tpl = self.template
         if tpl is None or self.server.model.tokenizer is None:
             raise ApiError(400, "this model has no chat template (or no tokenizer): use /v1/completions",
@@ -624,9 +633,6 @@ class HttpApi:
         if choice is not None and choice not in ("none", "auto"):
             raise ApiError(400, "'tool_choice' may be \"auto\" or \"none\": forcing a tool call needs constrained "
                                 "decoding, which this server does not have", "tool_choice")
-        if not _get_bool(body, "parallel_tool_calls", True):
-            raise ApiError(400, "'parallel_tool_calls': false is not supported (the model may call several tools "
-                                "in one turn)", "parallel_tool_calls")
         if tools and not tpl.supports_tools:
             raise ApiError(400, "this model's chat template has no tool support: 'tools' cannot be passed to it",
                            "tools")
@@ -641,28 +647,87 @@ class HttpApi:
         if choice is not None:
             kwargs.setdefault("tool_choice", choice)
         add_generation_prompt = _get_bool(body, "add_generation_prompt", True)
-        max_tokens = _get_int(body, "max_completion_tokens", 1, INT32_MAX)
-        if max_tokens is None:
-            max_tokens = _get_int(body, "max_tokens", 1, INT32_MAX)
 
         def render():
             text = tpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-            return text, self.server.model.tokenizer.encode(text, add_special_tokens=False).ids
+            return text, self.server.model.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
         try:  # rendering and tokenising can take a while: off the event loop
             text, ids = await asyncio.get_running_loop().run_in_executor(None, render)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
+        return text, ids, tools, choice
+
+    async def _prepare_chat(self, body: dict) -> "_Job":
+        _check_fields(body, CHAT_FIELDS)
+        if not _get_bool(body, "parallel_tool_calls", True):
+            raise ApiError(400, "'parallel_tool_calls': false is not supported (the model may call several tools "
+                                "in one turn)", "parallel_tool_calls")
+        max_tokens = _get_int(body, "max_completion_tokens", 1, INT32_MAX)
+        if max_tokens is None:
+            max_tokens = _get_int(body, "max_tokens", 1, INT32_MAX)
+        text, ids, tools, choice = await self._chat_prompt(body)
         if not ids:
             raise ApiError(400, "the chat template rendered an empty prompt", "messages")
         req = pb.GenerateRequest()
         req.token_ids.ids.extend(ids)
         job = _Job(self, body, chat=True, rid=f"chatcmpl-{uuid.uuid4().hex}")
-        reasoning, in_reasoning = THINK_END in tpl.source, prompt_opens_reasoning(text)
+        reasoning, in_reasoning = THINK_END in self.template.source, prompt_opens_reasoning(text)
         job.make_parser = lambda: ChatOutputParser(reasoning=reasoning, in_reasoning=in_reasoning,
                                                    tools=tools if tools and choice != "none" else None)
         await job.parse(req, max_tokens=max_tokens)
         return job
+
+    # ---- tokenizer endpoints (vLLM's) ---------------------------------------------------------------------------
+    async def _tokenize(self, request):
+        """``{"prompt": str}`` (tokenised as /v1/completions does) or ``{"messages": [...]}`` (rendered and
+        tokenised as /v1/chat/completions does) -> ``{"count", "max_model_len", "tokens", "token_strs"}``: the ids
+        the engine would get. Served while the engine warms up (it needs only the tokenizer)."""
+        try:
+            self._check_auth(request)
+            body = await self._json_body(request)
+            self._check_model(body)
+            chat = "messages" in body
+            _check_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_FIELDS)
+            tok = self.server.model.tokenizer
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer (no tokenizer.json)")
+            special = _get_bool(body, "add_special_tokens", not chat)  # vLLM's defaults: chat False, prompt True
+            if chat:
+                _, ids, _, _ = await self._chat_prompt(body, add_special_tokens=special)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string (or pass 'messages')", "prompt")
+                ids = (await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: tok.encode(prompt, add_special_tokens=special))).ids
+            strs = [tok.id_to_token(t) for t in ids] if _get_bool(body, "return_token_strs", False) else None
+        except ApiError as e:
+            return self._error(e)
+        return JSONResponse({"count": len(ids), "max_model_len": self.server.engine.max_context, "tokens": ids,
+                             "token_strs": strs})
+
+    async def _detokenize(self, request):
+        """``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept, as vLLM's)."""
+        try:
+            self._check_auth(request)
+            body = await self._json_body(request)
+            self._check_model(body)
+            _check_fields(body, {"model", "tokens"})
+            tok, vocab = self.server.model.tokenizer, self.server.model.config.vocab_size
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer (no tokenizer.json)")
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+            text = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: tok.decode(ids, skip_special_tokens=False))
+        except ApiError as e:
+            return self._error(e)
+        return JSONResponse({"prompt": text})
 
     def _submit(self, job: "_Job") -> None:
         loop = asyncio.get_running_loop()
