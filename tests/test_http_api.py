@@ -499,7 +499,7 @@ BAD_REQUESTS = {
     "content None on a user message": (dict(messages=[{"role": "user", "content": None}]),
                                        "messages[0].content is required on a user message"),
     "name not a string": (dict(messages=[{"role": "system", "content": "x"}, {"role": "user", "content": "y",
-                                                                             "name": 5}]),
+                                                                             "name": 0}]),
                           "messages[1].name must be a string"),
     "template kwargs that set the messages": (dict(extra_body={"chat_template_kwargs": {"messages": [],
                                                                                         "tools": []}}),

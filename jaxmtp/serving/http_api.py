@@ -330,7 +330,7 @@ def _chat_messages(raw: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                            "messages")
-        if not isinstance(m.get("name") or "", str):  # OpenAI's participant name (templates may render it)
+        if m.get("name") is not None and not isinstance(m["name"], str):  # OpenAI's participant name
             raise ApiError(400, f"messages[{i}].name must be a string", "messages")
         msg = dict(m)
         msg["role"] = "system" if role == "developer" else role
