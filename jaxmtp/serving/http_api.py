@@ -2,11 +2,10 @@
 
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
 server-sent events with ``"stream": true``), vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``,
-``GET /metrics`` (Prometheus text). A Starlette app
-served by uvicorn on the gRPC server's event loop: a request is parsed here, validated by the gRPC server's own
-``_parse`` (so both protocols share every limit and message), handed to the same :class:`Scheduler`, and its deltas
-come back through the same ``call_soon_threadsafe`` hand-off into an ``asyncio.Queue``. A client that disconnects
-(streamed or not) has its request aborted, which frees its slot.
+``GET /metrics`` (Prometheus text). A Starlette app served by uvicorn on the gRPC server's event loop: a request is
+parsed here, validated by the gRPC server's own ``_parse`` (so both protocols share every limit and message), handed
+to the same :class:`Scheduler`, and its deltas come back through the same ``call_soon_threadsafe`` hand-off into an
+``asyncio.Queue``. A client that disconnects (streamed or not) has its request aborted, which frees its slot.
 
 Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with status 400 (invalid or
 unsupported request), 401 (API key), 404 (unknown model or path), 413 (body too large), 429 (queue full), 503
