@@ -727,6 +727,40 @@ def test_n_choices_equal_seeded_single_requests(oai):
     assert want_text[0] != want_text[1]  # (chat's) two seeds gave two different samples
 
 
+def test_a_batch_of_prompts_is_a_request_per_prompt(oai, grpc_client):
+    """A list of prompts (strings and token-id lists) with n = 2 and seeded sampling: choice k * n + j is sample j of
+    prompt k asked alone, streamed or not, under one id; the usage adds up every prompt's. A bad element is a 400
+    naming it; a batch larger than the queue's room is a 429 that leaves nothing running."""
+    prompts = ["def add(a, b):", [12, 7, 99, 3], "import os\n"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.8, seed=11, n=2, extra_body={"ignore_eos": True})
+    alone = [oai.completions.create(prompt=p, **kw) for p in prompts]
+    got = oai.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [c.text for a in alone for c in a.choices]
+    assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and got.usage.completion_tokens == 36
+    texts, finish, usage, ids = {}, {}, None, set()
+    for chunk in oai.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw):
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in got.choices} and finish == {i: "length" for i in range(6)}
+    assert len(ids) == 1 and (usage.prompt_tokens, usage.completion_tokens) == (got.usage.prompt_tokens, 36)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[1\] is empty"):
+        oai.completions.create(model=MODEL, prompt=["a", ""], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"prompt\[0\] must be a string or a non-empty list"):
+        oai.completions.create(model=MODEL, prompt=[[1, "x"], "b"], max_tokens=2)
+    idle(grpc_client)
+    before = grpc_client.stats()["requests_finished"].get("cancelled", 0)
+    with pytest.raises(openai.RateLimitError):
+        oai.completions.create(model=MODEL, prompt=["x"] * 40, max_tokens=2)
+    wait_until(lambda: grpc_client.stats()["requests_active"] == 0, what="the batch's requests to be aborted")
+    assert grpc_client.stats()["requests_finished"].get("cancelled", 0) - before == 4 + MAX_QUEUE  # all taken ones
+    assert oai.completions.create(model=MODEL, prompt=["ok", "fine"], max_tokens=2).usage.completion_tokens == 4
+
+
 def test_logit_bias_reaches_the_engine(oai, model):
     t = model.tokenizer.encode("x", add_special_tokens=False).ids
     assert len(t) == 1
@@ -739,8 +773,6 @@ def test_other_errors(oai, base):
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
     assert "does not exist" in e.value.message and e.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
-        oai.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="empty"):
         oai.completions.create(model=MODEL, prompt="", max_tokens=2)
     status, _, body = request(base, "POST", "/v1/completions", raw=b"{not json")

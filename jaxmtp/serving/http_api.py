@@ -13,7 +13,8 @@ unsupported request), 401 (API key), 404 (unknown model or path), 413 (body too 
 400 naming it, never silently ignored; fields at their neutral value (``echo: false``, ``best_of`` equal to ``n``,
 ...) are accepted. ``n`` samples come back as ``n`` choices (streamed: chunks whose ``choices[0].index`` names the
 sample, each sample ending with its own finish_reason chunk); the usage counts the prompt once and every sample's
-tokens. vLLM's ``prompt_logprobs`` N returns the prompt's log-probabilities in vLLM's form (:func:`prompt_logprobs`).
+tokens. A completion's batch of prompts is a request per prompt, taken whole or not at all; prompt k's sample j is
+choice ``k * n + j`` (vLLM's order). vLLM's ``prompt_logprobs`` N returns the prompt's log-probabilities in vLLM's form (:func:`prompt_logprobs`).
 
     api = HttpApi(grpc_server, port=8000)    # on the server's event loop:
     port = await api.start()
@@ -84,6 +85,7 @@ NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format"
            "include_stop_str_in_output": (False,), "use_beam_search": (False,)}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT32_MAX = 2**31 - 1
+MAX_BATCH = 1024  # prompts in one completion request (each is a request of its own in the queue)
 TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set from the request
 
 
@@ -580,44 +582,63 @@ class HttpApi:
             self._check_accepting()
             body = await self._json_body(request)
             self._check_model(body)
-            job = await (self._prepare_chat(body) if chat else self._prepare_completion(body))
+            jobs = [await self._prepare_chat(body)] if chat else await self._prepare_completions(body)
             self._check_accepting()
-            self._submit(job)
+            for i, job in enumerate(jobs):
+                try:
+                    self._submit(job)
+                except ApiError:  # a batch is taken whole or not at all
+                    for done in jobs[:i]:
+                        self.server.scheduler.abort(done.rid, ABORT_CANCELLED)
+                    raise
         except ApiError as e:
             return self._error(e)
-        headers = {"x-request-id": job.rid}
-        if job.stream:
-            return _StreamOfJob(job, self._stream(request, job), media_type="text/event-stream",
+        headers = {"x-request-id": jobs[0].response_id}
+        if jobs[0].stream:
+            return _StreamOfJob(jobs, self._stream(request, jobs), media_type="text/event-stream",
                                 headers={**headers, "cache-control": "no-cache"})
         try:
-            return JSONResponse(await self._complete(request, job), headers=headers)
+            return JSONResponse(await self._complete(request, jobs), headers=headers)
         except ApiError as e:
             return self._error(e, count=False)
 
-    async def _prepare_completion(self, body: dict) -> "_Job":
-        _check_fields(body, COMPLETION_FIELDS)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def _completion_request(self, prompt, where: str) -> "pb.GenerateRequest":
+        """One prompt of a completion (a string or a list of token ids) as a gRPC request's input."""
         req = pb.GenerateRequest()
         if isinstance(prompt, str):
-            req.text = prompt
             if not prompt:
-                raise ApiError(400, "the prompt is empty", "prompt")
+                raise ApiError(400, f"{where} is empty", "prompt")
+            req.text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             if not all(0 <= t <= INT32_MAX for t in prompt):
                 raise ApiError(400, f"token id {next(t for t in prompt if not 0 <= t <= INT32_MAX)} is outside the "
                                     f"vocabulary [0, {self.server.model.config.vocab_size})", "prompt")
             req.token_ids.ids.extend(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise ApiError(400, f"one prompt per request: got a batch of {len(prompt)} (send them as separate "
-                                "requests; they are batched on the server)", "prompt")
         else:
-            raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
-        job = _Job(self, body, chat=False, rid=f"cmpl-{uuid.uuid4().hex}")
-        await job.parse(req, max_tokens=_get_int(body, "max_tokens", 1, INT32_MAX))
-        return job
+            raise ApiError(400, f"{where} must be a string or a non-empty list of token ids", "prompt")
+        return req
+
+    async def _prepare_completions(self, body: dict) -> list["_Job"]:
+        """A completion's jobs: one per prompt (a batch of prompts, as OpenAI and vLLM take them, is one request per
+        prompt, each with ``n`` samples; the response numbers prompt k's sample j ``k * n + j``)."""
+        _check_fields(body, COMPLETION_FIELDS)
+        prompt = body.get("prompt")
+        batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+        if batch and len(prompt) > MAX_BATCH:
+            raise ApiError(400, f"a batch of {len(prompt)} prompts is more than this server takes in one request "
+                                f"({MAX_BATCH})", "prompt")
+        reqs = ([self._completion_request(p, f"prompt[{k}]") for k, p in enumerate(prompt)] if batch
+                else [self._completion_request(prompt, "the prompt")])
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        max_tokens = _get_int(body, "max_tokens", 1, INT32_MAX)
+        jobs = []
+        for k, req in enumerate(reqs):
+            job = _Job(self, body, chat=False, rid=rid if len(reqs) == 1 else f"{rid}-{k}")
+            job.response_id, job.prompt_index = rid, k
+            await job.parse(req, max_tokens=max_tokens)
+            jobs.append(job)
+        return jobs
 
     async def _chat_prompt(self, body: dict, add_special_tokens: bool = False):
         """The request's messages rendered by the chat template and tokenised, as a chat completion feeds them to
@@ -748,60 +769,125 @@ class HttpApi:
         job.submitted = True
 
     @contextlib.asynccontextmanager
-    async def _in_flight(self, request, job: "_Job"):
-        """Counts the request among the server's streams (drain waits for it), aborts it if the client disconnects,
-        and aborts it if it ends unfinished (error, cancellation)."""
+    async def _in_flight(self, request, jobs: list["_Job"]):
+        """Counts the request among the server's streams (drain waits for it), aborts its jobs if the client
+        disconnects, and aborts those that end unfinished (error, cancellation)."""
         srv = self.server
         srv._n_streams += 1
         srv._idle.clear()
-        watcher = asyncio.ensure_future(self._watch_disconnect(request, job))
+        watcher = asyncio.ensure_future(self._watch_disconnect(request, jobs))
         try:
             yield
         finally:
             watcher.cancel()
-            if not job.finished:
-                srv.scheduler.abort(job.rid, ABORT_CANCELLED)
+            _abort_unfinished(jobs)
             srv._n_streams -= 1
             if srv._n_streams == 0:
                 srv._idle.set()
 
-    async def _watch_disconnect(self, request, job: "_Job") -> None:
+    async def _watch_disconnect(self, request, jobs: list["_Job"]) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                if not job.finished and self.server.scheduler.abort(job.rid, ABORT_CANCELLED):
-                    log.debug("%s: the client disconnected; aborted", job.rid)
-                job.queue.put_nowait(None)  # wake the handler
+                if _abort_unfinished(jobs):
+                    log.debug("%s: the client disconnected; aborted", jobs[0].response_id)
+                for job in jobs:
+                    job.queue.put_nowait(None)  # wake the handler
                 return
 
-    async def _complete(self, request, job: "_Job") -> dict:
-        async with self._in_flight(request, job):
+    async def _complete(self, request, jobs: list["_Job"]) -> dict:
+        async def drain(job):
             async for _ in job.deltas():
                 pass
-        if job.failure is not None:
-            raise job.failure
-        return job.response()
+            if job.failure is not None:  # the batch fails with it: stop the others
+                _abort_unfinished(jobs)
 
-    async def _stream(self, request, job: "_Job"):
-        async with self._in_flight(request, job):
-            async for chunk in job.stream_chunks():
-                yield chunk
+        async with self._in_flight(request, jobs):
+            await asyncio.gather(*(drain(job) for job in jobs))
+        failure = next((job.failure for job in jobs if job.failure is not None), None)
+        if failure is not None:
+            raise failure
+        if len(jobs) == 1:
+            return jobs[0].response()
+        out = jobs[0].response()
+        out["choices"] = [c for job in jobs for c in job.response()["choices"]]
+        out["usage"] = _batch_usage(jobs)
+        return out
+
+    async def _stream(self, request, jobs: list["_Job"]):
+        if len(jobs) == 1:
+            async with self._in_flight(request, jobs):
+                async for chunk in jobs[0].stream_chunks():
+                    yield chunk
+            return
+        async with self._in_flight(request, jobs):
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(job):  # this prompt's chunks, in the order they come, then None
+                try:
+                    async for chunk in job.stream_chunks(tail=False):
+                        queue.put_nowait(chunk)
+                finally:
+                    if job.failure is not None:
+                        _abort_unfinished(jobs)
+                    queue.put_nowait(None)
+
+            pumps = [asyncio.ensure_future(pump(job)) for job in jobs]
+            try:
+                left = len(jobs)
+                while left:
+                    chunk = await queue.get()
+                    if chunk is None:
+                        left -= 1
+                    else:
+                        yield chunk
+            finally:
+                for t in pumps:
+                    t.cancel()
+        head = jobs[0]
+        failure = next((job.failure for job in jobs if job.failure is not None), None)
+        if failure is not None:
+            yield _sse(failure.body())
+            return
+        if not all(job.finished and all(c.finished for c in job.choices) for job in jobs):  # the client went away
+            return
+        if head.include_usage:
+            yield _sse({"id": head.response_id, "object": "text_completion", "created": head.created,
+                        "model": head.model, "choices": [], "usage": _batch_usage(jobs)})
+        yield b"data: [DONE]\n\n"
+
+
+def _abort_unfinished(jobs: list["_Job"]) -> bool:
+    """Aborts the jobs that have not finished; whether any was."""
+    aborted = False
+    for job in jobs:
+        if not job.finished and job.submitted:
+            aborted |= bool(job.api.server.scheduler.abort(job.rid, ABORT_CANCELLED))
+    return aborted
+
+
+def _batch_usage(jobs: list["_Job"]) -> dict:
+    """A batch's usage: every prompt's tokens and every sample's."""
+    usages = [job._usage() for job in jobs]
+    n_prompt, n_out = sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                           for u in usages)}}
 
 
 class _StreamOfJob(StreamingResponse):
-    """A streamed response that aborts its request if it ends unfinished, also when its body never started (the
-    client went away before the response headers were sent)."""
+    """A streamed response that aborts its jobs if it ends unfinished, also when its body never started (the client
+    went away before the response headers were sent)."""
 
-    def __init__(self, job: "_Job", *args, **kwargs):
+    def __init__(self, jobs: list["_Job"], *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.job.finished:
-                self.job.api.server.scheduler.abort(self.job.rid, ABORT_CANCELLED)
+            _abort_unfinished(self.jobs)
 
 
 class _Choice:
@@ -824,6 +910,7 @@ class _Job:
 
     def __init__(self, api: HttpApi, body: dict, chat: bool, rid: str):
         self.api, self.body, self.chat, self.rid = api, body, chat, rid
+        self.response_id, self.prompt_index = rid, 0  # a batch's jobs: the response's id, this prompt's place
         self.model = api.server.model_name
         self.created = int(time.time())
         self.stream = _get_bool(body, "stream", False)
@@ -1002,12 +1089,16 @@ class _Job:
         """vLLM's ``prompt_logprobs`` (None when the request did not ask for them)."""
         return None if self.prompt_lps is None else prompt_logprobs(self.prompt_lps, self.api.token_text)
 
+    def _index(self, c: "_Choice") -> int:
+        """The choice's index in the response: prompt k's sample j is ``k * n + j`` (vLLM's order)."""
+        return self.prompt_index * len(self.choices) + c.index
+
     def _choice(self, c: "_Choice", prompt_lps: list | None = None) -> dict:
         """A choice of the non-streamed response (a completion's carries ``prompt_lps``, as vLLM's)."""
         text = "".join(c.text)
         logprobs = self._format_logprobs(c, c.logprobs)
         if not self.chat:
-            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            return {"index": self._index(c), "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                     "prompt_logprobs": prompt_lps}
         parts = c.parser.feed(text) + c.parser.finish()
         content = "".join(p.text for p in parts if p.kind == "content")
@@ -1020,7 +1111,7 @@ class _Job:
                                   "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
         if not calls:
             message["content"] = content  # "" rather than null when nothing was generated
-        return {"index": c.index, "message": message, "logprobs": logprobs,
+        return {"index": self._index(c), "message": message, "logprobs": logprobs,
                 "finish_reason": self._chat_finish_reason(c)}
 
     def response(self) -> dict:
@@ -1028,23 +1119,25 @@ class _Job:
         the top level of a chat completion."""
         prompt_lps = self._prompt_logprobs()
         if self.chat:
-            return {"id": self.rid, "created": self.created, "model": self.model, "object": "chat.completion",
+            return {"id": self.response_id, "created": self.created, "model": self.model, "object": "chat.completion",
                     "choices": [self._choice(c) for c in self.choices], "usage": self._usage(),
                     "prompt_logprobs": prompt_lps}
-        return {"id": self.rid, "created": self.created, "model": self.model, "object": "text_completion",
+        return {"id": self.response_id, "created": self.created, "model": self.model, "object": "text_completion",
                 "choices": [self._choice(c, prompt_lps) for c in self.choices], "usage": self._usage()}
 
-    async def stream_chunks(self):
+    async def stream_chunks(self, tail: bool = True):
         """The server-sent events of a streamed response: each chunk holds one choice, whose ``index`` names the
-        sample; each sample ends with a chunk carrying its finish_reason. A chunk's ``logprobs`` are those of its
+        sample (:meth:`_index`); each sample ends with a chunk carrying its finish_reason; ``tail``: then the error,
+        usage and ``[DONE]`` events (a batch's jobs leave them to the batch). A chunk's ``logprobs`` are those of its
         sample's tokens that arrived since that sample's previous chunk that carried some (text held back, by a
         stop string or the chat output parser, leaves its tokens' logprobs for a later chunk; the last one carries
         the rest). A completion's ``prompt_logprobs`` come in the choice of sample 0's first chunk."""
-        head = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+        head = {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
 
         def chunk(c: _Choice, part: dict, finish_reason: str | None = None) -> bytes:
-            choice = {"index": c.index, **part, "logprobs": self._take_logprobs(c), "finish_reason": finish_reason}
+            choice = {"index": self._index(c), **part, "logprobs": self._take_logprobs(c),
+                      "finish_reason": finish_reason}
             if c.index == 0 and self.prompt_lps is not None and not self.prompt_lps_sent:  # (chat: refused)
                 choice["prompt_logprobs"], self.prompt_lps_sent = self._prompt_logprobs(), True
             if self.continuous_usage:
@@ -1068,6 +1161,8 @@ class _Job:
                 for delta in self._chat_deltas(c.parser.finish()):
                     yield chunk(c, {"delta": delta})
                 yield chunk(c, {"delta": {}}, self._chat_finish_reason(c))
+        if not tail:
+            return
         if self.failure is not None:
             yield _sse(self.failure.body())
             return
