@@ -665,6 +665,39 @@ def test_prompt_logprobs_equal_a_full_forward(oai, model):
     assert check_prompt_logprobs(chat.prompt_logprobs, chat_ids, ref[1], 2, text) > 0
 
 
+def test_echo_gives_the_prompt_and_its_logprobs(oai, model):
+    """``echo`` (the legacy completions API's scoring request, as lm-eval sends it: echo, logprobs, max_tokens 1,
+    temperature 0): the text is the prompt's and the output's; the logprobs cover the prompt's tokens (the first
+    None), equal to a full forward's, then the output's, equal to the request without echo, with offsets into the
+    echoed text; a token-id prompt echoes its decoded text; echo with "stream" is a 400."""
+    from jaxmtp.generation import encode_prompt
+
+    text = lambda t: model.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    prompt = "def fibonacci(n):"
+    ids = encode_prompt(model, prompt)
+    p = len(ids)
+    ref = log_softmax(model.logits(np.asarray([ids])))[0]
+    kw = dict(model=MODEL, max_tokens=2, temperature=0, logprobs=2)
+    plain = oai.completions.create(prompt=prompt, **kw).choices[0]
+    got = oai.completions.create(prompt=prompt, echo=True, **kw).choices[0]
+    assert got.text == prompt + plain.text and got.model_extra.get("prompt_logprobs") is None
+    lp = got.logprobs
+    assert lp.tokens == [text(t) for t in ids] + plain.logprobs.tokens
+    assert lp.token_logprobs[p:] == plain.logprobs.token_logprobs and lp.top_logprobs[p:] == plain.logprobs.top_logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:p], [ref[i - 1, ids[i]] for i in range(1, p)], atol=1e-4)
+    for i in range(1, p):  # the prompt token and the 2 most likely, as a full forward ranks them
+        best = np.argsort(-ref[i - 1])[:2]
+        assert set(lp.top_logprobs[i]) == {text(ids[i])} | {text(int(t)) for t in best}
+    offsets = np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+    assert lp.text_offset == offsets and lp.text_offset[p] == len(prompt)
+    by_ids = oai.completions.create(prompt=ids, echo=True, model=MODEL, max_tokens=2, temperature=0).choices[0]
+    assert by_ids.text == model.tokenizer.decode(ids, skip_special_tokens=False) + plain.text
+    assert by_ids.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="'echo' is supported on non-streamed completions only"):
+        oai.completions.create(prompt=prompt, echo=True, stream=True, **kw)
+
+
 @pytest.mark.parametrize("value, needle", [(21, "must be in [0, 20], got 21"), (-1, "must be in [0, 20], got -1"),
                                            ("x", 'must be an integer, got "x"'), (True, "must be an integer, got true"),
                                            (2.5, "must be an integer, got 2.5")])

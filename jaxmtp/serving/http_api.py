@@ -74,7 +74,7 @@ PENALTIES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penal
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "stream", "stream_options", "user", *PENALTIES, "logit_bias", "min_tokens", "n",
                  "prompt_logprobs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
                                "chat_template_kwargs", "add_generation_prompt", "logprobs", "top_logprobs"}
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -935,6 +935,9 @@ class _Job:
         self.choices: list[_Choice] = []  # one per sample (set by parse)
         self.prompt_lps: list | None = None  # the engine's prompt logprobs (with prompt_logprobs; sample 0's output)
         self.prompt_lps_sent = False  # streamed: in a chunk already
+        self.echo = False  # a completion's echo: the prompt's text (and log-probabilities) before the output
+        self.prompt_text = ""
+        self.echo_only_lps = False  # prompt logprobs asked for the echo alone (no vLLM prompt_logprobs field)
 
     async def parse(self, req, max_tokens: int | None) -> None:
         """Sampling fields -> ``req.sampling``; then the gRPC server's own validation."""
@@ -961,6 +964,8 @@ class _Job:
             s.stop_token_ids.extend(ids)
         s.ignore_eos = _get_bool(body, "ignore_eos", False)
         self._parse_processing(s)
+        if not self.chat and _get_bool(body, "echo", False):
+            self._parse_echo(req)
         n = _get_int(body, "n", 1, MAX_N)
         if n is not None:
             if n > srv.engine.num_slots:
@@ -977,6 +982,33 @@ class _Job:
         self.choices = [_Choice(i, self.make_parser() if self.make_parser else None) for i in range(self.params.n)]
         if len(parsed) > 2 and parsed[2] is not None:  # a stop-string matcher built off the event loop
             self.submit_kwargs["stop_matcher"] = parsed[2]
+
+    def _parse_echo(self, req) -> None:
+        """``echo``: the response's text starts with the prompt's, and with ``logprobs`` N its log-probabilities
+        start with the prompt tokens' (the first None), their N alternatives from the engine's prompt logprobs (the
+        legacy completions API's scoring request: echo, logprobs, max_tokens 1)."""
+        if self.stream:
+            raise ApiError(400, "'echo' is supported on non-streamed completions only", "echo")
+        self.echo = True
+        s, n = req.sampling, _logprobs(self.body, False)
+        if n is not None and _get_int(self.body, "prompt_logprobs", 0, MAX_LOGPROBS) is None:
+            s.prompt_logprobs, self.echo_only_lps = n, True
+        if req.WhichOneof("input") == "text":
+            self.prompt_text = req.text
+        else:
+            tok = self.api.server.model.tokenizer
+            ids = list(req.token_ids.ids)
+            self.prompt_text = (tok.decode(ids, skip_special_tokens=False) if tok is not None
+                                else "".join(self.api.token_text(t) for t in ids))
+
+    def _echo_logprobs(self) -> dict:
+        """The prompt's part of an echoed completion's ``logprobs``: every prompt token, the first without a
+        log-probability (nothing precedes it)."""
+        token_text = self.api.token_text
+        first = token_text(self.ids[0])
+        rest = completion_logprobs(self.prompt_lps[1:], token_text, len(first))
+        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
 
     def _parse_processing(self, s) -> None:
         """The logits-processing fields and logprobs -> ``s`` (ranges are checked by the gRPC server's parse)."""
@@ -1097,8 +1129,15 @@ class _Job:
     def _choice(self, c: "_Choice", prompt_lps: list | None = None) -> dict:
         """A choice of the non-streamed response (a completion's carries ``prompt_lps``, as vLLM's)."""
         text = "".join(c.text)
+        if self.echo:
+            c.text_offset = len(self.prompt_text)  # the output's offsets follow the echoed prompt
         logprobs = self._format_logprobs(c, c.logprobs)
         if not self.chat:
+            if self.echo:
+                text = self.prompt_text + text
+                if logprobs is not None:
+                    echo = self._echo_logprobs()
+                    logprobs = {key: echo[key] + logprobs[key] for key in logprobs}
             return {"index": self._index(c), "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                     "prompt_logprobs": prompt_lps}
         parts = c.parser.feed(text) + c.parser.finish()
@@ -1118,7 +1157,7 @@ class _Job:
     def response(self) -> dict:
         """The non-streamed response body. Prompt logprobs as vLLM places them: on every choice of a completion, at
         the top level of a chat completion."""
-        prompt_lps = self._prompt_logprobs()
+        prompt_lps = None if self.echo_only_lps else self._prompt_logprobs()
         if self.chat:
             return {"id": self.response_id, "created": self.created, "model": self.model, "object": "chat.completion",
                     "choices": [self._choice(c) for c in self.choices], "usage": self._usage(),
