@@ -14,8 +14,9 @@ unsupported request), 401 (API key), 404 (unknown model or path), 413 (body too 
 ...) are accepted. ``n`` samples come back as ``n`` choices (streamed: chunks whose ``choices[0].index`` names the
 sample, each sample ending with its own finish_reason chunk); the usage counts the prompt once and every sample's
 tokens. A completion's batch of prompts is a request per prompt, taken whole or not at all; prompt k's sample j is
-choice ``k * n + j`` (vLLM's order). vLLM's ``prompt_logprobs`` N returns the prompt's log-probabilities in vLLM's
-form (:func:`prompt_logprobs`).
+choice ``k * n + j`` (vLLM's order). ``echo`` (non-streamed completions) puts the prompt's text, and with
+``logprobs`` its tokens' log-probabilities, before the output's. vLLM's ``prompt_logprobs`` N returns the prompt's
+log-probabilities in vLLM's form (:func:`prompt_logprobs`).
 
     api = HttpApi(grpc_server, port=8000)    # on the server's event loop:
     port = await api.start()
