@@ -669,7 +669,8 @@ def test_echo_gives_the_prompt_and_its_logprobs(oai, model):
     """``echo`` (the legacy completions API's scoring request, as lm-eval sends it: echo, logprobs, max_tokens 1,
     temperature 0): the text is the prompt's and the output's; the logprobs cover the prompt's tokens (the first
     None), equal to a full forward's, then the output's, equal to the request without echo, with offsets into the
-    echoed text; a token-id prompt echoes its decoded text; echo with "stream" is a 400."""
+    echoed text; with max_tokens 0 the prompt alone; a token-id prompt echoes its decoded text; echo with "stream"
+    is a 400."""
     from jaxmtp.generation import encode_prompt
 
     text = lambda t: model.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
@@ -691,6 +692,12 @@ def test_echo_gives_the_prompt_and_its_logprobs(oai, model):
         assert set(lp.top_logprobs[i]) == {text(ids[i])} | {text(int(t)) for t in best}
     offsets = np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
     assert lp.text_offset == offsets and lp.text_offset[p] == len(prompt)
+    zero = oai.completions.create(prompt=prompt, echo=True, **{**kw, "max_tokens": 0})  # the prompt scored alone
+    assert zero.choices[0].text == prompt and zero.choices[0].finish_reason == "length"
+    assert zero.usage.completion_tokens == 0 and zero.usage.prompt_tokens == p
+    assert zero.choices[0].logprobs.model_dump() == {key: v[:p] for key, v in lp.model_dump().items()}
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' must be in \\[1, "):
+        oai.completions.create(prompt=prompt, **{**kw, "max_tokens": 0})
     by_ids = oai.completions.create(prompt=ids, echo=True, model=MODEL, max_tokens=2, temperature=0).choices[0]
     assert by_ids.text == model.tokenizer.decode(ids, skip_special_tokens=False) + plain.text
     assert by_ids.logprobs is None

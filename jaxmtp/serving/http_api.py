@@ -633,12 +633,14 @@ class HttpApi:
         reqs = ([self._completion_request(p, f"prompt[{k}]") for k, p in enumerate(prompt)] if batch
                 else [self._completion_request(prompt, "the prompt")])
         rid = f"cmpl-{uuid.uuid4().hex}"
-        max_tokens = _get_int(body, "max_tokens", 1, INT32_MAX)
+        echo = _get_bool(body, "echo", False)
+        max_tokens = _get_int(body, "max_tokens", 0 if echo else 1, INT32_MAX)  # 0: score the echoed prompt only
         jobs = []
         for k, req in enumerate(reqs):
             job = _Job(self, body, chat=False, rid=rid if len(reqs) == 1 else f"{rid}-{k}")
             job.response_id, job.prompt_index = rid, k
-            await job.parse(req, max_tokens=max_tokens)
+            job.prompt_only = max_tokens == 0  # one token is generated and left out of the response
+            await job.parse(req, max_tokens=1 if max_tokens == 0 else max_tokens)
             jobs.append(job)
         return jobs
 
@@ -939,6 +941,7 @@ class _Job:
         self.echo = False  # a completion's echo: the prompt's text (and log-probabilities) before the output
         self.prompt_text = ""
         self.echo_only_lps = False  # prompt logprobs asked for the echo alone (no vLLM prompt_logprobs field)
+        self.prompt_only = False  # echo with max_tokens 0: the prompt alone (the engine's one token left out)
 
     async def parse(self, req, max_tokens: int | None) -> None:
         """Sampling fields -> ``req.sampling``; then the gRPC server's own validation."""
@@ -1093,7 +1096,7 @@ class _Job:
 
     def _usage(self) -> dict:
         """The prompt once, every sample's output tokens (OpenAI's usage of n choices)."""
-        n_prompt, n_out = len(self.ids), sum(c.n_out for c in self.choices)
+        n_prompt, n_out = len(self.ids), 0 if self.prompt_only else sum(c.n_out for c in self.choices)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": max((c.n_cached for c in self.choices), default=0)}}
 
@@ -1129,17 +1132,18 @@ class _Job:
 
     def _choice(self, c: "_Choice", prompt_lps: list | None = None) -> dict:
         """A choice of the non-streamed response (a completion's carries ``prompt_lps``, as vLLM's)."""
-        text = "".join(c.text)
+        text = "" if self.prompt_only else "".join(c.text)
         if self.echo:
             c.text_offset = len(self.prompt_text)  # the output's offsets follow the echoed prompt
-        logprobs = self._format_logprobs(c, c.logprobs)
+        logprobs = self._format_logprobs(c, [] if self.prompt_only else c.logprobs)
         if not self.chat:
             if self.echo:
                 text = self.prompt_text + text
                 if logprobs is not None:
                     echo = self._echo_logprobs()
                     logprobs = {key: echo[key] + logprobs[key] for key in logprobs}
-            return {"index": self._index(c), "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            finish_reason = "length" if self.prompt_only else c.finish_reason
+            return {"index": self._index(c), "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                     "prompt_logprobs": prompt_lps}
         parts = c.parser.feed(text) + c.parser.finish()
         content = "".join(p.text for p in parts if p.kind == "content")
