@@ -770,7 +770,8 @@ def test_n_choices_equal_seeded_single_requests(oai):
 def test_a_batch_of_prompts_is_a_request_per_prompt(oai, grpc_client):
     """A list of prompts (strings and token-id lists) with n = 2 and seeded sampling: choice k * n + j is sample j of
     prompt k asked alone, streamed or not, under one id; the usage adds up every prompt's. A bad element is a 400
-    naming it; a batch larger than the queue's room is a 429 that leaves nothing running."""
+    naming it, so is a batch larger than the server could ever hold; one larger than the queue's room now is a 429
+    that leaves nothing running."""
     prompts = ["def add(a, b):", [12, 7, 99, 3], "import os\n"]
     kw = dict(model=MODEL, max_tokens=6, temperature=0.8, seed=11, n=2, extra_body={"ignore_eos": True})
     alone = [oai.completions.create(prompt=p, **kw) for p in prompts]
@@ -792,12 +793,21 @@ def test_a_batch_of_prompts_is_a_request_per_prompt(oai, grpc_client):
         oai.completions.create(model=MODEL, prompt=["a", ""], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[0\] must be a string or a non-empty list"):
         oai.completions.create(model=MODEL, prompt=[[1, "x"], "b"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="the batch needs 33 samples in flight at once and the server "
+                                                      "holds at most 32"):
+        oai.completions.create(model=MODEL, prompt=["x"] * 33, max_tokens=2)
     idle(grpc_client)
+    held = oai.completions.create(model=MODEL, prompt="y", max_tokens=200, stream=True,  # one slot taken meanwhile
+                                  extra_body={"ignore_eos": True})
+    next(iter(held))
     before = grpc_client.stats()["requests_finished"].get("cancelled", 0)
     with pytest.raises(openai.RateLimitError):
-        oai.completions.create(model=MODEL, prompt=["x"] * 40, max_tokens=2)
-    wait_until(lambda: grpc_client.stats()["requests_active"] == 0, what="the batch's requests to be aborted")
-    assert grpc_client.stats()["requests_finished"].get("cancelled", 0) - before == 4 + MAX_QUEUE  # all taken ones
+        oai.completions.create(model=MODEL, prompt=["x"] * 32, max_tokens=2)
+    cancelled = lambda: grpc_client.stats()["requests_finished"].get("cancelled", 0) - before  # noqa: E731
+    wait_until(lambda: cancelled() == 3 + MAX_QUEUE, what="the 31 taken prompts to be aborted")
+    assert grpc_client.stats()["requests_active"] <= 1  # the held stream at most
+    held.close()
+    idle(grpc_client)
     assert oai.completions.create(model=MODEL, prompt=["ok", "fine"], max_tokens=2).usage.completion_tokens == 4
 
 

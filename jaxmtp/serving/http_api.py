@@ -642,6 +642,10 @@ class HttpApi:
             job.prompt_only = max_tokens == 0  # one token is generated and left out of the response
             await job.parse(req, max_tokens=1 if max_tokens == 0 else max_tokens)
             jobs.append(job)
+        samples, capacity = sum(job.params.n for job in jobs), self.server.scheduler.capacity
+        if len(jobs) > 1 and samples > capacity:  # it could never be taken whole: not a retry later (429)
+            raise ApiError(400, f"the batch needs {samples} samples in flight at once and the server holds at most "
+                                f"{capacity} (slots + --max-queue): send fewer prompts per request", "prompt")
         return jobs
 
     async def _chat_prompt(self, body: dict, add_special_tokens: bool = False):
