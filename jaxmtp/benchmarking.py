@@ -32,7 +32,7 @@ import numpy as np
 from jaxmtp import shapes
 from jaxmtp.config import Qwen35Config
 from jaxmtp.engine import Engine, steps
-from jaxmtp.fp8 import STANDARD, check_quantization
+from jaxmtp.fp8 import STANDARD, check_quantization, has_fp8
 from jaxmtp.loaded_model import Model
 from jaxmtp.model import init_params, param_shapes
 from jaxmtp.pallas import override_backend, resolve_backend
@@ -387,8 +387,7 @@ def mtp_bytes(params) -> int | None:
 def fp8_scheme(params):
     """The FP8 scheme of ``params`` for :func:`step_bytes`: :data:`jaxmtp.fp8.STANDARD` where any weight is block FP8
     (``random_model(..., quantization="fp8")``), else None."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    return STANDARD if any("block_scale" in jax.tree_util.keystr(p) for p, _ in leaves) else None
+    return STANDARD if has_fp8(params) else None
 
 
 def step_bytes(cfg: Qwen35Config, batch: int, k: int, context: int, dtype_bytes: int = 2,
