@@ -773,11 +773,16 @@ def test_a_batch_of_prompts_is_a_request_per_prompt(oai, grpc_client):
     naming it, so is a batch larger than the server could ever hold; one larger than the queue's room now is a 429
     that leaves nothing running."""
     prompts = ["def add(a, b):", [12, 7, 99, 3], "import os\n"]
-    kw = dict(model=MODEL, max_tokens=6, temperature=0.8, seed=11, n=2, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.8, seed=11, n=2, logprobs=1, extra_body={"ignore_eos": True})
     alone = [oai.completions.create(prompt=p, **kw) for p in prompts]
     got = oai.completions.create(prompt=prompts, **kw)
     assert [c.index for c in got.choices] == list(range(6))
     assert [c.text for c in got.choices] == [c.text for a in alone for c in a.choices]
+    # the same tokens and offsets; log-probabilities to float32's sums over another batch (prefilled together)
+    for g, w in zip([c.logprobs for c in got.choices], [c.logprobs for a in alone for c in a.choices]):
+        assert (g.tokens, g.text_offset) == (w.tokens, w.text_offset)
+        assert g.token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4)
+        assert [sorted(t) for t in g.top_logprobs] == [sorted(t) for t in w.top_logprobs]
     assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and got.usage.completion_tokens == 36
     texts, finish, usage, ids = {}, {}, None, set()
     for chunk in oai.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw):

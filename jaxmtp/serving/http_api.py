@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -590,8 +591,7 @@ class HttpApi:
                 try:
                     self._submit(job)
                 except ApiError:  # a batch is taken whole or not at all
-                    for done in jobs[:i]:
-                        self.server.scheduler.abort(done.rid, ABORT_CANCELLED)
+                    _abort_unfinished(jobs[:i])
                     raise
         except ApiError as e:
             return self._error(e)
@@ -815,25 +815,20 @@ class HttpApi:
         failure = next((job.failure for job in jobs if job.failure is not None), None)
         if failure is not None:
             raise failure
-        if len(jobs) == 1:
-            return jobs[0].response()
-        out = jobs[0].response()
-        out["choices"] = [c for job in jobs for c in job.response()["choices"]]
-        out["usage"] = _batch_usage(jobs)
+        responses = [job.response() for job in jobs]  # once each: formatting logprobs advances their text offsets
+        out = responses[0]
+        out["choices"], out["usage"] = [c for r in responses for c in r["choices"]], _batch_usage(jobs)
         return out
 
     async def _stream(self, request, jobs: list["_Job"]):
-        if len(jobs) == 1:
-            async with self._in_flight(request, jobs):
-                async for chunk in jobs[0].stream_chunks():
-                    yield chunk
-            return
+        """The jobs' chunks in the order they come, then the response's tail: the first failure's error event, or
+        (every sample finished) the usage chunk where asked for and ``[DONE]``; nothing more if the client left."""
         async with self._in_flight(request, jobs):
             queue: asyncio.Queue = asyncio.Queue()
 
-            async def pump(job):  # this prompt's chunks, in the order they come, then None
+            async def pump(job):  # this prompt's chunks, then None
                 try:
-                    async for chunk in job.stream_chunks(tail=False):
+                    async for chunk in job.stream_chunks():
                         queue.put_nowait(chunk)
                 finally:
                     if job.failure is not None:
@@ -852,17 +847,18 @@ class HttpApi:
             finally:
                 for t in pumps:
                     t.cancel()
-        head = jobs[0]
-        failure = next((job.failure for job in jobs if job.failure is not None), None)
-        if failure is not None:
-            yield _sse(failure.body())
-            return
-        if not all(job.finished and all(c.finished for c in job.choices) for job in jobs):  # the client went away
-            return
-        if head.include_usage:
-            yield _sse({"id": head.response_id, "object": "text_completion", "created": head.created,
-                        "model": head.model, "choices": [], "usage": _batch_usage(jobs)})
-        yield b"data: [DONE]\n\n"
+            head = jobs[0]
+            failure = next((job.failure for job in jobs if job.failure is not None), None)
+            if failure is not None:
+                yield _sse(failure.body())
+                return
+            if not all(c.finished for job in jobs for c in job.choices):  # the client went away
+                return
+            if head.include_usage:
+                kind = "chat.completion.chunk" if head.chat else "text_completion"
+                yield _sse({"id": head.response_id, "object": kind, "created": head.created, "model": head.model,
+                            "choices": [], "usage": _batch_usage(jobs)})
+            yield b"data: [DONE]\n\n"
 
 
 def _abort_unfinished(jobs: list["_Job"]) -> bool:
@@ -1009,9 +1005,10 @@ class _Job:
             self.prompt_text = (tok.decode(ids, skip_special_tokens=False) if tok is not None
                                 else "".join(self.api.token_text(t) for t in ids))
 
+    @functools.cached_property
     def _echo_logprobs(self) -> dict:
-        """The prompt's part of an echoed completion's ``logprobs``: every prompt token, the first without a
-        log-probability (nothing precedes it)."""
+        """The prompt's part of an echoed completion's ``logprobs`` (one for every choice): every prompt token, the
+        first without a log-probability (nothing precedes it)."""
         token_text = self.api.token_text
         first = token_text(self.ids[0])
         rest = completion_logprobs(self.prompt_lps[1:], token_text, len(first))
@@ -1144,7 +1141,7 @@ class _Job:
             if self.echo:
                 text = self.prompt_text + text
                 if logprobs is not None:
-                    echo = self._echo_logprobs()
+                    echo = self._echo_logprobs
                     logprobs = {key: echo[key] + logprobs[key] for key in logprobs}
             finish_reason = "length" if self.prompt_only else c.finish_reason
             return {"index": self._index(c), "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
@@ -1174,12 +1171,12 @@ class _Job:
         return {"id": self.response_id, "created": self.created, "model": self.model, "object": "text_completion",
                 "choices": [self._choice(c, prompt_lps) for c in self.choices], "usage": self._usage()}
 
-    async def stream_chunks(self, tail: bool = True):
-        """The server-sent events of a streamed response: each chunk holds one choice, whose ``index`` names the
-        sample (:meth:`_index`); each sample ends with a chunk carrying its finish_reason; ``tail``: then the error,
-        usage and ``[DONE]`` events (a batch's jobs leave them to the batch). A chunk's ``logprobs`` are those of its
-        sample's tokens that arrived since that sample's previous chunk that carried some (text held back, by a
-        stop string or the chat output parser, leaves its tokens' logprobs for a later chunk; the last one carries
+    async def stream_chunks(self):
+        """The server-sent events of this job's choices (the error, usage and ``[DONE]`` events that end a response
+        are :meth:`HttpApi._stream`'s): each chunk holds one choice, whose ``index`` names the sample
+        (:meth:`_index`); each sample ends with a chunk carrying its finish_reason. A chunk's ``logprobs`` are those
+        of its sample's tokens that arrived since that sample's previous chunk that carried some (text held back, by
+        a stop string or the chat output parser, leaves its tokens' logprobs for a later chunk; the last one carries
         the rest). A completion's ``prompt_logprobs`` come in the choice of sample 0's first chunk."""
         head = {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model}
@@ -1210,16 +1207,6 @@ class _Job:
                 for delta in self._chat_deltas(c.parser.finish()):
                     yield chunk(c, {"delta": delta})
                 yield chunk(c, {"delta": {}}, self._chat_finish_reason(c))
-        if not tail:
-            return
-        if self.failure is not None:
-            yield _sse(self.failure.body())
-            return
-        if not all(c.finished for c in self.choices):  # the client went away
-            return
-        if self.include_usage:
-            yield _sse({**head, "choices": [], "usage": self._usage()})
-        yield b"data: [DONE]\n\n"
 
     @staticmethod
     def _chat_deltas(parts: list[Part]) -> list[dict]:
