@@ -9,11 +9,12 @@ Per model, the bf16 model is built and measured, freed, then the FP8 one (the li
 quantise, drawn directly as block FP8: :func:`jaxmtp.model.init_params`): the two do not fit one 80 GB GPU side by
 side at 27B, so the comparison is sequential within one process (same device, same compile cache, minutes apart).
 For each (batch, k): step ms (median over ``--rounds`` rounds of ``--syncs`` device loops, the engines of one model
-alternated; with three rounds or more the first is a warm-up and left out), tokens/s at ``PUBLISHED_AL[k]``, the bytes the step must read (:func:`jaxmtp.benchmarking.step_bytes`,
-FP8 leaves at 1 byte plus their block scales) over the measured bandwidth. Ratios: FP8 plain over bf16 plain
-tokens/s, FP8 k-step over FP8 plain step, FP8 tokens/s at the published AL over FP8 plain. ``--fit S:C`` also builds
-an engine of S slots x C tokens with the memory check on (does it fit the device?) and, where it fits, times its k =
-3 step with every slot near the end of its context. ``--tiny``: CPU smoke run.
+alternated; with three rounds or more the first is a warm-up and left out), tokens/s at ``PUBLISHED_AL[k]``, the
+bytes the step must read (:func:`jaxmtp.benchmarking.step_bytes`, FP8 leaves at 1 byte plus their block scales)
+over the measured bandwidth. Ratios: FP8 plain over bf16 plain tokens/s, FP8 k-step over FP8 plain step, FP8
+tokens/s at the published AL over FP8 plain. ``--fit S:C`` also builds an engine of S slots x C tokens with the
+memory check on (does it fit the device?) and, where it fits, times its k = 3 step with every slot near the end of
+its context. ``--tiny``: CPU smoke run.
 """
 
 from __future__ import annotations
