@@ -38,9 +38,9 @@ def fma_tiles(lanes=(1, 16)):
         yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=2, splits=1, lanes=lane)
 
 
-def dot_tiles(m: int, stages=(3,), warps=(4,)):
+def dot_tiles(m: int, stages=(3,), warps=(4,), bns=(32, 64, 128), bks=(128, 256, 512), splits_=(1, 2, 4, 8)):
     bm = max(16, min(64, 1 << (m - 1).bit_length()))
-    for bn, bk, splits, stage, warp in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), stages, warps):
+    for bn, bk, splits, stage, warp in itertools.product(bns, bks, splits_, stages, warps):
         yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warp, num_stages=stage)
 
 
@@ -71,6 +71,9 @@ def main(argv=None) -> int:
                     "accumulating (1: a [BN, BK] accumulator)")
     ap.add_argument("--dot-stages", default="3", help="tensor-core path: pipeline stages to try, e.g. 2,3,4")
     ap.add_argument("--dot-warps", default="4", help="tensor-core path: warps per program to try, e.g. 4,8")
+    ap.add_argument("--dot-bn", default="32,64,128", help="tensor-core path: W tile rows (BN) to try")
+    ap.add_argument("--dot-bk", default="128,256,512", help="tensor-core path: K tile widths (BK) to try")
+    ap.add_argument("--dot-splits", default="1,2,4,8", help="tensor-core path: K splits to try")
     ap.add_argument("--out", default="fp8_tiles.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
     args = ap.parse_args(argv)
@@ -93,8 +96,9 @@ def main(argv=None) -> int:
                  "tiles": []}
         tiles = list(fma_tiles(tuple(int(v) for v in args.lanes.split(",")))) if m <= 4 and args.paths != "dots" else []
         if m > 4 or (args.paths != "rows" and m > 1):
-            tiles += list(dot_tiles(m, tuple(int(v) for v in args.dot_stages.split(",")),
-                                    tuple(int(v) for v in args.dot_warps.split(","))))
+            ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+            tiles += list(dot_tiles(m, ints(args.dot_stages), ints(args.dot_warps), ints(args.dot_bn),
+                                    ints(args.dot_bk), ints(args.dot_splits)))
         if args.smoke:
             tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]
             ws = ws[:2]

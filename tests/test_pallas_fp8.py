@@ -146,18 +146,3 @@ def test_lowers_for_cuda(m, k, n):
     args = (sds((m, k), BF16), sds((n, k), jnp.float8_e4m3fn), sds((-(-n // 128), -(-k // 128)), F32))
     text = jax.jit(fp8_matmul_triton).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.pad" not in text
-
-
-def test_partials_are_the_split_products(rng):
-    """``partials``: with K split the kernel returns the float32 parts unsummed (a SplitSum of x's dtype), whose
-    part-order sum is the summed call's output bit for bit and equals float64; with one split, the array itself."""
-    from jaxmtp.pallas._common import SplitSum, dense
-
-    x, q, scale, w64 = _inputs(rng, (4,), 1024, 136, BF16)
-    y = fp8_matmul_triton(x, q, scale, splits=4, partials=True, interpret=True)
-    assert isinstance(y, SplitSum) and y.parts.shape == (4, 4, 136) and y.dtype == BF16
-    np.testing.assert_array_equal(np.asarray(dense(y), np.float32),
-                                  np.asarray(fp8_matmul_triton(x, q, scale, splits=4, interpret=True), np.float32))
-    assert _rel_err(np.asarray(y.parts, np.float64).sum(0), np.asarray(x, np.float64) @ w64.T) < 1e-5
-    one = fp8_matmul_triton(x, q, scale, splits=1, partials=True, interpret=True)
-    assert not isinstance(one, SplitSum) and one.shape == (4, 136)

@@ -137,8 +137,7 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
                                   partials=partials or tp.active, policy=backend.policy)
     elif is_fp8(w):
         y = _matmul.fp8_linear(swiglu_reference(a, kdim) if swiglu else a, w, implementation=backend.fp8_matmul,
-                               policy=backend.policy,
-                               partials=(partials or tp.active) and backend.policy.fp8_output_partials)
+                               policy=backend.policy)
     else:  # in the product's dtype: XLA's GEMMs with a float32 output measured slower (up to 3x for o_proj)
         y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
     if not tp.active:

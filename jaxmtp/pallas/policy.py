@@ -77,10 +77,6 @@ class KernelPolicy:
     # H100: faster than 64-row tiles split by K alone at three 27B shapes, 1.5% slower at down; the 27B FP8 k = 3
     # step 14.73 against 15.22 ms); 0: 64-row tiles and splits by K's length, as for more rows
     fp8_dot_min_programs: int = 1024
-    # a block's output product in FP8 (o_proj, out_proj, down_proj) split along K hands its float32 partials to the
-    # residual add + norm kernel, which sums them (no launch of their own for the sum), as the bf16 output kernels'
-    # split-K partials do; the same values; not yet measured on a GPU, so off
-    fp8_output_partials: bool = False
 
     # block-output products (o_proj, out_proj, down_proj stored [N, K]; jaxmtp.pallas.matmul.output_linear)
     output_gemv_max_rows: int = 1  # rows on the multiply-add kernel, no split along K

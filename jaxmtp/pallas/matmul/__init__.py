@@ -41,19 +41,17 @@ def is_fp8(w) -> bool:
     return isinstance(w, dict) and "block_scale" in w
 
 
-def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: KernelPolicy = DEFAULT_POLICY,
-               partials: bool = False):
+def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: KernelPolicy = DEFAULT_POLICY):
     """``x @ dequant(W)^T`` [..., N] for a block-FP8 weight (:func:`is_fp8`); x [..., K]. ``"triton"`` /
     ``"triton_interpret"``: up to ``policy.fp8_kernel_max_rows`` rows with :mod:`.fp8_triton` (e4m3 bytes read,
     float32 accumulation), where it takes the shape; else (prefill, other backends) the reference, which dequantises
-    the weight to x's dtype first (:func:`jaxmtp.pallas.matmul.reference.fp8_matmul_reference`). ``partials``: the
-    caller accepts a :class:`jaxmtp.pallas._common.SplitSum`, which the kernel returns where it splits K."""
+    the weight to x's dtype first (:func:`jaxmtp.pallas.matmul.reference.fp8_matmul_reference`)."""
     q, s = w["weight"], w["block_scale"]
     rows = math.prod(x.shape[:-1])
     if _kernel(implementation) and rows <= policy.fp8_kernel_max_rows and fp8_supports(rows, q.shape[1], q.shape[0]):
         return fp8_matmul_triton(x, q, s, out_dtype=out_dtype, fma_max_rows=policy.fp8_fma_max_rows,
                                  lanes=policy.fp8_fma_lanes, dot_min_programs=policy.fp8_dot_min_programs,
-                                 partials=partials, interpret=implementation == TRITON_INTERPRET)
+                                 interpret=implementation == TRITON_INTERPRET)
     return fp8_matmul_reference(x, q, s, out_dtype=out_dtype)
 
 

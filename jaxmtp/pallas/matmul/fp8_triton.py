@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jaxmtp.pallas._common import SplitSum, mm, next_pow2, sum_parts, work_dtype
+from jaxmtp.pallas._common import mm, next_pow2, sum_parts, work_dtype
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
 from jaxmtp.pallas.policy import DEFAULT_POLICY
 
@@ -171,19 +171,17 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "splits", "num_warps",
-                                             "num_stages", "fma_max_rows", "lanes", "dot_min_programs", "partials",
+                                             "num_stages", "fma_max_rows", "lanes", "dot_min_programs",
                                              "interpret"))
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
                       num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None,
-                      dot_min_programs=DOT_MIN_PROGRAMS, partials=False, interpret=False):
+                      dot_min_programs=DOT_MIN_PROGRAMS, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
     [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype``
     (default x.dtype), float32 accumulation. Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core
     path; tiles default to :func:`plan` (``block_m``: the tensor-core path only; ``lanes``: the multiply-add path
     only). BN must divide 128, BM (a power of two >= 16) and BK (a power of two >= 128, a multiple of ``lanes``) are
-    free; ``splits`` divides the K steps between programs (float32 partials, summed here; with ``partials`` returned
-    unsummed as a :class:`jaxmtp.pallas._common.SplitSum` ``[splits, ..., N]`` when there are several, for a
-    consumer that sums them itself)."""
+    free; ``splits`` divides the K steps between programs (float32 partials, summed here in part order)."""
     lead, k = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), w.shape[0]
     n_blocks = (pl.cdiv(n, FP8_BLOCK), pl.cdiv(k, FP8_BLOCK))
@@ -228,8 +226,6 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
         interpret=interpret,
         name="fp8_matmul",
     )(x2, w, scale)
-    if ns > 1 and partials:
-        return SplitSum(y.reshape(ns, *lead, n), out_dtype)
     if ns > 1:
         y = sum_parts(y).astype(out_dtype)
     return y.reshape(*lead, n)
