@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="fp8_tiles.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
     args = ap.parse_args(argv)
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     if args.smoke:
         SHAPES.update({name: (256, 384) for name in SHAPES})
     t_start = time.perf_counter()
@@ -97,7 +98,6 @@ def main(argv=None) -> int:
         default = plan(m, k, n)
         entry = {"rows": m, "K": k, "N": n, "name": name, "weight_bytes": nbytes, "default_plan": default._asdict(),
                  "tiles": []}
-        ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
         tiles = (list(fma_tiles(ints(args.lanes), ints(args.fma_stages), ints(args.fma_bn), ints(args.fma_bk)))
                  if m <= 4 and args.paths != "dots" else [])
         if m > 4 or (args.paths != "rows" and m > 1):

@@ -266,8 +266,8 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, h, iv: (bi, h, 0, iv))
     g_spec = pl.BlockSpec((None, tp, None), lambda bi, h, iv: (bi, 0, h))
     if fused:
-        in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True)] + [seq(c, same)] * (
-            not inline_aqk) + [g_spec]
+        in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True),
+                    *([] if inline_aqk else [seq(c, same)]), g_spec]
         args = [q, k, w, u, *aqk, g]
         out_shape = [jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype)]
         out_specs = [seq(bv, same, True)]
