@@ -135,9 +135,6 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
-    elif is_fp8(w):
-        y = _matmul.fp8_linear(swiglu_reference(a, kdim) if swiglu else a, w, implementation=backend.fp8_matmul,
-                               policy=backend.policy)
     else:  # in the product's dtype: XLA's GEMMs with a float32 output measured slower (up to 3x for o_proj)
         y = linear(swiglu_reference(a, kdim) if swiglu else a, w, backend)
     if not tp.active:
