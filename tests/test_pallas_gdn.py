@@ -119,10 +119,9 @@ def test_chunk_matches_reference(rng, impl, t, r, chunk, dtype, init, pad_rows):
                                    dict(fused_readout=True, block_v=16),
                                    dict(fused_readout=True, block_v=32, prep_sub_chunk=32),
                                    dict(fused_readout=False, block_v=32, prep_sub_chunk=64, chunk_size=64),
-                                   dict(fused_readout=True, block_v=32, scan_aqk=True),
-                                   dict(fused_readout=True, block_v=16, scan_aqk=True, chunk_size=64)])
+                                   dict(fused_readout=True, block_v=16, chunk_size=64)])
 def test_chunk_tiles_match_reference(rng, tiles):
-    """Both read-out forms (the fused one with ``Aqk`` from ``prep`` or formed in the sequential pass) and every dv
+    """Both read-out forms (fused into the sequential pass or a separate launch), both chunk sizes and every dv
     slicing of the sequential pass and of the separate read-out give the reference (dv = 64: 4 / 1 sequential slices,
     2 / 4 read-out slices), bf16, 2 value heads per key head, T not a multiple of the chunk."""
     from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
@@ -138,32 +137,6 @@ def test_chunk_tiles_match_reference(rng, tiles):
     o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
     assert_close(o, o_ref, TOL[jnp.bfloat16])
     assert_close(s, s_ref, TOL[jnp.bfloat16])
-
-
-def test_aqk_formed_in_the_scan_gives_the_same_values(rng):
-    """``scan_aqk``: the sequential pass forms ``Aqk`` from Q and K (one 64 x 64 product per chunk, the whole chunk's
-    cumulative decay) where ``prep`` forms it block by block: float32 within 1e-6 of the default kernel and within
-    the reference's tolerance, initial state, a padded row, 3 value heads per key head; it lowers for CUDA as two
-    launches, the scan reading no ``Aqk``."""
-    from jaxmtp.pallas.gated_delta_rule.chunk_triton import chunk_gated_delta_rule_triton
-    from jaxmtp.pallas.policy import DEFAULT_POLICY
-
-    (q, k, v, g, beta), s0 = make_inputs(rng, 2, 150, 1, 3, 32, 32, jnp.float32, ((1, 97),), True)
-    base = DEFAULT_POLICY.gdn_chunk_tiles()
-    inline = dataclasses.replace(base, scan_aqk=True)
-    (o, s), (o0, s0_) = (chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_state=s0, tiles=tiles,
-                                                       use_qk_l2norm_in_kernel=True, interpret=True)
-                         for tiles in (inline, base))
-    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, use_qk_l2norm_in_kernel=True)
-    assert_close(o, o0, 1e-6)
-    assert_close(s, s0_, 1e-6)
-    assert_close(o, o_ref, TOL[jnp.float32])
-    assert_close(s, s_ref, TOL[jnp.float32])
-    sds = jax.ShapeDtypeStruct
-    qk, vv, gb = sds((1, 256, 2, 128), jnp.bfloat16), sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 4), jnp.float32)
-    text = _lower(lambda *a: chunk_gated_delta_rule_triton(*a, use_qk_l2norm_in_kernel=True, tiles=inline), "cuda",
-                  qk, qk, vv, gb, gb)
-    assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 def test_chunk_without_final_state(rng):

@@ -121,18 +121,17 @@ def _aqk(qq, kk, gam, wd, interpret):
     return (mm(qq, kk, tb=True, dtype=wd, interpret=interpret) * decay).astype(wd)
 
 
-def _sequential_kernel(*refs, fused, n_chunks, c, scale, l2norm, has_init, final, wd, inline_aqk, interpret):
+def _sequential_kernel(*refs, fused, n_chunks, c, scale, l2norm, has_init, final, wd, interpret):
     """Sequential over chunks, the ``[dk, BV]`` float32 state slice ``S`` in registers; per chunk
     ``V_new = U - W S``, then ``S = e^gamma_C S + (K e^(gamma_C - gamma))^T V_new``. ``fused``: refs
     ``q, k, w, u, aqk, g[, h0], o[, ht]``, the read-out ``O = (Q e^gamma) S + Aqk V_new`` written here (no per-chunk
-    state goes to memory; with ``inline_aqk`` no ``aqk`` ref: ``Aqk`` is formed here from Q and K, off the state's
-    dependency chain); else refs ``k, w, u, g[, h0], h, v_new[, ht]``: it stores ``S`` as it enters each chunk
+    state goes to memory); else refs ``k, w, u, g[, h0], h, v_new[, ht]``: it stores ``S`` as it enters each chunk
     (rounded to the work dtype, as the read-out uses it) and ``V_new`` for the read-out launch."""
     f32 = jnp.float32
     refs = list(refs)
     q_ref = refs.pop(0) if fused else None
     k_ref, w_ref, u_ref = refs[:3]
-    a_ref = refs.pop(3) if fused and not inline_aqk else None
+    a_ref = refs.pop(3) if fused else None
     g_ref = refs[3]
     rest = refs[4:]
     h0_ref = rest.pop(0) if has_init else None
@@ -153,8 +152,7 @@ def _sequential_kernel(*refs, fused, n_chunks, c, scale, l2norm, has_init, final
             qq = q_ref[sl, :].astype(f32)
             if l2norm:
                 qq = l2norm_rows(qq)
-            aqk = _aqk(qq * scale, kk, gam, wd, interpret) if inline_aqk else a_ref[sl, :]
-            o = mmw(qq * (scale * jnp.exp(gam))[:, None], sw) + mmw(aqk, v_new)
+            o = mmw(qq * (scale * jnp.exp(gam))[:, None], sw) + mmw(a_ref[sl, :], v_new)
             outs[0][sl, :] = o.astype(outs[0].dtype)
         else:
             outs[0][n] = sw.astype(outs[0].dtype)
@@ -188,8 +186,7 @@ class ChunkTiles:
     parallel launch (three); ``block_v`` (BV) is the dv slice of a sequential-pass program (programs
     ``B * Hv * dv / BV``), ``out_block_v`` that of a read-out program. The sequential pass pipelines its loads
     ``num_stages`` deep while its programs fit one ``wave`` (the device's multiprocessors: one program each), and
-    ``multiwave_num_stages`` deep beyond (smaller buffers); ``prep_sub_chunk`` is the prep's BC. ``scan_aqk``
-    (fused read-out): the sequential pass forms ``Aqk`` itself instead of reading it from ``prep``."""
+    ``multiwave_num_stages`` deep beyond (smaller buffers); ``prep_sub_chunk`` is the prep's BC."""
 
     fused_readout: bool
     block_v: int
@@ -201,7 +198,6 @@ class ChunkTiles:
     multiwave_num_stages: int | None = None  # None: num_stages
     wave: int = FALLBACK_NUM_SMS
     prep_sub_chunk: int = _BC
-    scan_aqk: bool = False
 
     def scan_stages(self, programs: int) -> int:
         """Pipeline stages of a sequential pass of ``programs`` programs."""
@@ -239,10 +235,9 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     chunk = lambda d, head: pl.BlockSpec((None, c, None, d), lambda bi, ni, h: (bi, ni, head(h), 0))  # noqa: E731
     same, shared = (lambda h: h), (lambda h: h // r)
     fused = tiles.fused_readout
-    inline_aqk = fused and tiles.scan_aqk
     prep_out = [jax.ShapeDtypeStruct((b, tp, hv, dk), wd), jax.ShapeDtypeStruct((b, tp, hv, dv), wd)]
     prep_specs = [chunk(dk, same), chunk(dv, same)]
-    if fused and not inline_aqk:
+    if fused:
         prep_out.append(jax.ShapeDtypeStruct((b, tp, hv, c), wd))
         prep_specs.append(chunk(c, same))
     w, u, *aqk = pl.pallas_call(
@@ -266,8 +261,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, h, iv: (bi, h, 0, iv))
     g_spec = pl.BlockSpec((None, tp, None), lambda bi, h, iv: (bi, 0, h))
     if fused:
-        in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True),
-                    *([] if inline_aqk else [seq(c, same)]), g_spec]
+        in_specs = [seq(dk, shared), seq(dk, shared), seq(dk, same), seq(bv, same, True), seq(c, same), g_spec]
         args = [q, k, w, u, *aqk, g]
         out_shape = [jax.ShapeDtypeStruct((b, tp, hv, dv), v.dtype)]
         out_specs = [seq(bv, same, True)]
@@ -286,7 +280,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, scale=None, initial_state=No
     outs = pl.pallas_call(
         functools.partial(_sequential_kernel, fused=fused, n_chunks=n, c=c, scale=float(scale),
                           l2norm=use_qk_l2norm_in_kernel, has_init=has_init, final=output_final_state, wd=wd,
-                          inline_aqk=inline_aqk, interpret=bool(interpret)),
+                          interpret=bool(interpret)),
         out_shape=out_shape,
         grid=(b, hv, dv // bv),
         in_specs=in_specs,
