@@ -109,11 +109,15 @@ def variant_model(model: Model, spec: str) -> Model:
     m = dataclasses.replace(model, backend=override_backend(model.backend, spec))
     params = model.params
     if transposes_outputs(m.backend) != transposes_outputs(model.backend):
-        params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend))  # new dicts
+        params = set_output_layout(jax.tree.map(lambda a: a, params), transposes_outputs(m.backend),  # new dicts
+                                   stacked=model.layout is not None)
     if "draft_head" in params and quantizes_mtp(m.backend) != has_quantized_mtp(params):
         if has_quantized_mtp(params):
             raise ValueError(f"variant {spec!r} wants an exact MTP layer but the model's is int8: build the model "
                              "with quantize_mtp_layer=False")
+        if model.layout is not None:
+            raise ValueError(f"variant {spec!r} changes the MTP layer's quantisation, which a sharded model's "
+                             "stacked params cannot: load it with that backend instead")
         params = quantize_mtp(jax.tree.map(lambda a: a, params))
     return dataclasses.replace(m, params=params)
 

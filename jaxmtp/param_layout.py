@@ -95,21 +95,25 @@ def _walk_dicts(node, fn) -> None:
 
 
 def _transposed(w):
-    return np.ascontiguousarray(w.T) if isinstance(w, np.ndarray) else jnp.transpose(w)
+    """``w`` with its last two axes swapped (a device array keeps its sharding: a stacked leaf's is on axis 0)."""
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    return jax.device_put(jnp.swapaxes(w, -1, -2), w.sharding)
 
 
-def _set_outputs(d: dict, transposed: bool) -> None:
+def _set_outputs(d: dict, transposed: bool, ndim: int) -> None:
     for name in OUTPUT_PROJECTIONS:
         src, dst = (name, name + TRANSPOSED_SUFFIX) if transposed else (name + TRANSPOSED_SUFFIX, name)
-        if src in d and getattr(d[src], "ndim", 0) == 2:
+        if src in d and getattr(d[src], "ndim", 0) == ndim:
             d[dst] = _transposed(d.pop(src))
 
 
-def set_output_layout(params: dict, transposed: bool) -> dict:
+def set_output_layout(params: dict, transposed: bool, *, stacked: bool = False) -> dict:
     """Store every 2-D output projection (:data:`OUTPUT_PROJECTIONS`; MoE experts' 3-D ``down_proj`` excluded) as
     ``[N, K]`` under ``name + "_t"`` (``transposed``) or as ``[K, N]`` under its name (in place; returns
-    ``params``)."""
-    _walk_dicts(params, lambda d: _set_outputs(d, transposed))
+    ``params``). ``stacked``: a sharded model's params, each leaf the ranks' tensors stacked on a first axis
+    (:func:`jaxmtp.parallel.place`)."""
+    _walk_dicts(params, lambda d: _set_outputs(d, transposed, 3 if stacked else 2))
     return params
 
 
