@@ -357,14 +357,68 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
     del ws
 
 
+@pytest.mark.parametrize("rows,kdim,hdim,dtype,tiles", [
+    (1, 8704, 5120, "bfloat16", {}), (4, 3072, 5120, "bfloat16", {}),
+    (3, 1000, 2048, "float32", dict(block_n=8, block_k=256, num_warps=8))])
+def test_oneshot_product_add_rms_norm_equals_its_reference(rows, kdim, hdim, dtype, tiles, monkeypatch):
+    """The row-parallel product fused with the one-shot reduce, add and norm (jaxmtp.pallas.oneshot_product) over
+    every GPU of the host, 100 calls in one loop (each call's s the next call's residual, its input new values):
+    every rank holds the same bits; each call's s is its reference's (each rank's float32 product by XLA, psum, the
+    add + norm reference) to the last unit of bf16 of the rounded total and of s (a product summed in another order
+    may round the other way), float32 to 1e-5; h is the float64 RMSNorm of the kernel's s to its last unit. 27B's
+    down and mixer-output slices at TP 2 (K 8704 and 3072, 1 and 4 rows), and a K that is not a multiple of the K
+    step."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxmtp.pallas import allreduce_oneshot, oneshot_product
+
+    _two_gpus_with_jax_triton(monkeypatch)
+    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    ws, peers = allreduce_oneshot.allocate(mesh)
+    rng = np.random.default_rng(rows * kdim)
+    x0 = jnp.asarray(rng.standard_normal((rows, hdim)), dtype)
+    w = jnp.asarray(rng.standard_normal(hdim) * 0.1, jnp.float32)
+    put = lambda v: jax.device_put(v, NamedSharding(mesh, P("tp")))  # noqa: E731
+    acts = put(rng.standard_normal((n, rows, kdim)).astype(np.float32))
+    w_t = put((rng.standard_normal((n, hdim, kdim)) / np.sqrt(n * kdim)).astype(dtype))
+
+    def f(x, acts, w_t):
+        def body(x, i):
+            a = _rounded(acts[0] * jnp.cos(i * 0.7), dtype)
+            s, h = oneshot_product.product_add_rms_norm(x, a, w_t[0], w, 1e-6, "tp", n, peers, **tiles)
+            s_ref, _ = oneshot_product.reference(x, a, w_t[0], w, 1e-6, "tp")
+            return _rounded(s.astype(jnp.float32) * 0.5, dtype), (x, s, h, s_ref)
+        return jax.lax.scan(body, x, jnp.arange(100, dtype=jnp.float32))[1]
+
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("tp"), P("tp")), out_specs=P("tp"),
+                                check_vma=False))(x0, acts, w_t)
+    x, s, h, s_ref = (np.asarray(v, np.float32).reshape(n, 100, rows, hdim) for v in out)
+    assert np.isfinite(s).all() and np.isfinite(h).all()
+    assert np.array_equal(s[0], s[-1]) and np.array_equal(h[0], h[-1])  # every rank holds the same bits
+    s64 = s.astype(np.float64)
+    h64 = s64 / np.sqrt(np.mean(s64 * s64, axis=-1, keepdims=True) + 1e-6) * (1.0 + np.asarray(w, np.float64))
+    if dtype == "bfloat16":
+        ulp = lambda v: np.ldexp(1.0, np.frexp(np.maximum(np.abs(v), 1e-30))[1] - 8)  # noqa: E731
+        # s = x + round(total): the total's rounding may differ by its last unit, which is larger than s's where
+        # x cancels part of it
+        assert (np.abs(s - s_ref) <= 1.01 * (ulp(s_ref - x) + ulp(s_ref))).all(), np.abs(s - s_ref).max()
+        assert (np.abs(h - h64) <= 1.01 * ulp(h64)).all(), np.abs(h - h64).max()  # the norm of the kernel's s
+    else:
+        np.testing.assert_allclose(s, s_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(h, h64, rtol=1e-5, atol=1e-6)
+    del ws
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     """The shipped model at tensor_parallel_size=tp in float32: greedy tokens, plain and k = 3, with the one-shot
-    all-reduce kernel (given the products' outputs summed and widened, or as they are), and with the fused kernel
-    (each block's output reduced, added and normed in one launch; one program per row and one per chunk), equal
-    those with lax.psum, and those equal one GPU's (the sums over the ranks in another order than one device's,
-    float32); on every layout speculative greedy decoding reproduces plain greedy decoding. At TP 4 the two-launch
-    path and the fused kernel's per-chunk mode only (time)."""
+    all-reduce kernel (given the products' outputs summed and widened, or as they are), with the fused kernel
+    (each block's output reduced, added and normed in one launch; one program per row and one per chunk), and with
+    the product fused into it too (jaxmtp.pallas.oneshot_product: the plain step's 3 rows; the verify window's 12
+    take the product kernels) equal those with lax.psum, and those equal one GPU's (the sums over the ranks in
+    another order than one device's, float32); on every layout speculative greedy decoding reproduces plain greedy
+    decoding. At TP 4 the two-launch path, the fused kernel's per-chunk mode and the fused product only (time)."""
     import jaxmtp
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -376,9 +430,10 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     out = {}
     variants = [("psum", ""), ("oneshot", "oneshot_fused=0"), ("oneshot", "oneshot_fused=0,oneshot_parts=1"),
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=1"),
-                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0")]
+                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0"),
+                ("oneshot", "out_matmul=triton,oneshot_product_max_rows=4")]
     if tp > 2:
-        variants = [variants[0], variants[1], variants[4]]
+        variants = [variants[0], variants[1], variants[4], variants[5]]
     for size, reduce, spec in [(1, "one GPU", "")] + [(tp, r, sp) for r, sp in variants]:
         model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=size,
                             tensor_parallel_reduce="auto" if size == 1 else reduce)

@@ -36,9 +36,12 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
 
     from jaxmtp.pallas import allreduce_oneshot as a
 
-    kernel = a._kernel() if kind == "plain" else a._row_kernel()
+    from jaxmtp.pallas import oneshot_product
+
+    kernel = {"plain": a._kernel, "row": a._row_kernel, "product": oneshot_product._kernel}[kind]()
     # the interpreter resolves names in the kernel's globals (not its closure) and has no libdevice: tl's rsqrt
-    kernel.fn.__globals__.update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), tl=tl, libdevice=tl)
+    for module in (a, oneshot_product):
+        vars(module).update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), tl=tl, libdevice=tl)
     shms = [shared_memory.SharedMemory(name=nm) for nm in names]
     views = [torch.frombuffer(s.buf, dtype=torch.int32) for s in shms]
     peers = [v.data_ptr() for v in views] + [0] * (a.MAX_RANKS - n)
@@ -50,6 +53,12 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
             y = torch.empty(shape)
             kernel[(-(-int(np.prod(shape)) // a.BLOCK),)](torch.tensor(inputs[c][me]), rank, *peers, y, **launch)
             out[me, c, 0] = y.numpy()
+        elif kind == "product":
+            x, w, acts, w_t = inputs[c]
+            s, h = torch.empty(shape), torch.empty(shape)
+            kernel[(shape[1] // launch["BN"],)](torch.tensor(acts[me]), torch.tensor(w_t[me]), torch.tensor(x),
+                                                torch.tensor(w), rank, *peers, s, h, **launch)
+            out[me, c, 0], out[me, c, 1] = s.numpy(), h.numpy()
         else:
             x, w, parts = inputs[c]
             s, h = torch.empty(shape), torch.empty(shape)
@@ -61,9 +70,9 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
         s.close()
 
 
-def _run(kind, n, inputs, shape, calls, launch, counters, flags):
-    """Every rank's process at once, over new workspaces whose counters (and flags) are at START; returns their
-    outputs [ranks, calls, 2, *shape]."""
+def _run(kind, n, inputs, shape, calls, launch, counters, flags, programs=None):
+    """Every rank's process at once, over new workspaces whose ``programs`` counters (default the most a kernel
+    has) and every sender's flags for them are at START; returns their outputs [ranks, calls, 2, *shape]."""
     from jaxmtp.pallas import allreduce_oneshot as a
 
     shms = [shared_memory.SharedMemory(create=True, size=a.workspace_bytes(n)) for _ in range(n)]
@@ -72,8 +81,9 @@ def _run(kind, n, inputs, shape, calls, launch, counters, flags):
         for s in shms:
             words = np.ndarray((a.workspace_bytes(n) // 4,), np.int32, buffer=s.buf)
             words[:] = 0
-            words[counters // 4: counters // 4 + a.MAX_PROGRAMS] = START
-            words[flags // 4: flags // 4 + a.MAX_RANKS * a.MAX_PROGRAMS] = START  # every peer's START calls
+            programs = a.MAX_PROGRAMS if programs is None else programs
+            words[counters // 4: counters // 4 + programs] = START
+            words[flags // 4: flags // 4 + a.MAX_RANKS * programs] = START  # every peer's START calls
             del words
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank, args=(me, kind, n, [s.name for s in shms], out.name, inputs, shape, calls,
@@ -134,6 +144,36 @@ def test_the_fused_add_norm_across_the_counter_wrap():
             np.testing.assert_allclose(got[me, c, 1], h, rtol=1e-5, atol=1e-6, err_msg=f"rank {me}, call {c}")
 
 
+@pytest.mark.parametrize("n,rows,kdim,form", [(2, 3, 200, 0), (3, 1, 256, 0), (2, 3, 200, 1), (2, 4, 256, 2), (2, 3, 200, 2)])
+def test_the_fused_product_add_norm_across_the_counter_wrap(n, rows, kdim, form):
+    """The row-parallel product fused with the exchange, the add and the norm (jaxmtp.pallas.oneshot_product): ``n``
+    ranks, ``rows`` rows (3: a masked fourth), K = ``kdim`` (200: a last BK step past K), 16 programs of 16 columns,
+    each way of accumulating (``form``), four calls from 2^31 - 1 on: every rank gets the same s and h bits, s = x +
+    the ranks' float32 products summed and h = rms_norm(s) against float64."""
+    from jaxmtp.pallas import allreduce_oneshot as a
+
+    calls, hdim = 4, 320  # five 64-column chunks a row
+    rng = np.random.default_rng(n)
+    inputs = [(rng.standard_normal((rows, hdim)).astype(np.float32),
+               (rng.standard_normal(hdim) * 0.1).astype(np.float32),
+               rng.standard_normal((n, rows, kdim)).astype(np.float32),
+               (rng.standard_normal((n, hdim, kdim)) / np.sqrt(kdim)).astype(np.float32)) for _ in range(calls)]
+    launch = dict(R=rows, RP=1 if rows == 1 else 4, K=kdim, H=hdim, BN=16, BK=64, LANES=8, C=64, N=n, EPS=1e-6,
+                  STRIDE=a.ROW_STRIDE, MAXROWS=a.PRODUCT_MAX_ROWS, CONTROL=a._product_control(n),
+                  STAGING=a._product_staging(n), SPIN_LIMIT=1 << 16, FORM=form, EXCHANGE=True, num_warps=4)
+    control = a._product_control(n)
+    # calls at START, the arrival counter at 0 (where a finished call leaves it), every sender's flag at START
+    got = _run("product", n, inputs, (rows, hdim), calls, launch, control, control + 8, programs=1)
+    for c in range(calls):
+        x, w, acts, w_t = (v.astype(np.float64) for v in inputs[c])
+        s = x + sum(acts[r] @ w_t[r].T for r in range(n))
+        h = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-6) * (1.0 + w)
+        for me in range(n):
+            np.testing.assert_array_equal(got[me, c], got[0, c], err_msg=f"rank {me}, call {c}")
+        np.testing.assert_allclose(got[0, c, 0], s, rtol=1e-5, atol=1e-5, err_msg=f"call {c}")
+        np.testing.assert_allclose(got[0, c, 1], h, rtol=1e-4, atol=1e-5, err_msg=f"call {c}")
+
+
 def test_the_launches_give_the_kernels_every_parameter(monkeypatch):
     """jax_triton builds a kernel's signature from the arguments it is given, so a parameter left to its Triton
     default is missing there and the launch fails, on a GPU only (Triton's own launcher, which the interpreter tests
@@ -146,7 +186,7 @@ def test_the_launches_give_the_kernels_every_parameter(monkeypatch):
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from jaxmtp.pallas import allreduce_oneshot as a
+    from jaxmtp.pallas import allreduce_oneshot as a, oneshot_product
 
     launched = []
 
@@ -167,9 +207,14 @@ def test_the_launches_give_the_kernels_every_parameter(monkeypatch):
     parts = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
     w = jnp.asarray(rng.standard_normal(256), jnp.float32)
 
-    def launches(x, parts, w):
-        return (a.allreduce(x, "tp", 2, peers), a.allreduce(parts, "tp", 2, peers, parts=True),
-                a.add_rms_norm(x, parts, w, 1e-6, "tp", 2, peers, one_program_per_row=False))
+    acts = jnp.asarray(rng.standard_normal((3, 384)), jnp.bfloat16)
+    w_t = jnp.asarray(rng.standard_normal((256, 384)), jnp.bfloat16)
 
-    jax.jit(jax.shard_map(launches, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False))(x, parts, w)
-    assert launched == ["oneshot", "oneshot", "oneshot_add_rms_norm"]
+    def launches(x, parts, w, acts, w_t):
+        return (a.allreduce(x, "tp", 2, peers), a.allreduce(parts, "tp", 2, peers, parts=True),
+                a.add_rms_norm(x, parts, w, 1e-6, "tp", 2, peers, one_program_per_row=False),
+                oneshot_product.product_add_rms_norm(x, acts, w_t, w, 1e-6, "tp", 2, peers))
+
+    jax.jit(jax.shard_map(launches, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False))(
+        x, parts, w, acts, w_t)
+    assert launched == ["oneshot", "oneshot", "oneshot_add_rms_norm", "oneshot_product_add_rms_norm"]

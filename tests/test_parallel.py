@@ -425,6 +425,44 @@ def test_the_oneshot_mode_hands_block_outputs_to_its_kernels_as_psum_would_sum_t
     assert tokens[0] == tokens[1]
 
 
+def test_the_oneshot_product_mode_leaves_block_products_to_its_kernel_as_psum_would_sum_them(wide, rng,
+                                                                                           monkeypatch):
+    """``oneshot_product_max_rows``: with the block-output weights stored [N, K], each block's output product itself
+    (two per layer; the MLP's with its SwiGLU formed first) goes to the kernel that forms it, reduces it, adds and
+    norms (jaxmtp.pallas.oneshot_product), here replaced by its psum reference (checked against that on the GPU,
+    tests/test_gpu_checks.py), for up to that many rows; more rows (prefill) take the product kernels and the psum.
+    Logits over 3 rows and plain decoding's tokens (4 slots: 4 rows a step) equal the psum mode's."""
+    from jaxmtp.benchmarking import variant_model
+    from jaxmtp.pallas import allreduce_oneshot, oneshot_product
+
+    calls = []
+
+    def fused(x, a, w_t, weight, eps, axis, ranks, peers, **launch):
+        calls.append(a.shape[:-1])
+        return oneshot_product.reference(x, a, w_t, weight, eps, axis)
+
+    monkeypatch.setattr(oneshot_product, "product_add_rms_norm", fused)
+    monkeypatch.setattr(allreduce_oneshot, "add_rms_norm", lambda x, parts, weight, eps, axis, ranks, peers, **launch:
+                        allreduce_oneshot.row_reference(x, parts, weight, eps, axis))
+    base = _load(wide("dense"), 2)
+
+    def variant(reduce, spec):
+        tp = dataclasses.replace(base.backend.parallel, reduce=reduce)
+        model = dataclasses.replace(base, backend=dataclasses.replace(base.backend, norm="triton_interpret",
+                                                                      parallel=tp))
+        return variant_model(model, spec)
+
+    psum = variant("psum", "out_matmul=triton_interpret")
+    fused_mode = variant("oneshot", "out_matmul=triton_interpret,oneshot_product_max_rows=4")
+    ids = rng.integers(0, base.config.vocab_size, (1, 3))
+    np.testing.assert_allclose(fused_mode.logits(ids), psum.logits(ids), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, 3)] * (2 * base.config.num_hidden_layers)
+    prompts = _prompts(rng, 3, base.config.vocab_size)
+    tokens = [_run(m, prompts, 0, _params(3), state=False)[0] for m in (fused_mode, psum)]
+    assert tokens[0] == tokens[1]
+    assert (4, 1) in calls[2 * base.config.num_hidden_layers:]
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_the_per_device_weight_plan_counts_what_a_rank_holds(wide, kind):
     """``rank_weight_bytes`` (the memory plan of a model not loaded, from its config) equals the bytes of the

@@ -49,6 +49,23 @@ class Unreduced:
         return self.parts.shape[1:]
 
 
+@struct.dataclass
+class PendingProduct:
+    """A block's row-parallel output product under tensor parallelism, left for the one-shot kernel that forms it,
+    reduces it over the ranks, adds it to the residual stream and norms it in one launch
+    (:func:`jaxmtp.pallas.oneshot_product.product_add_rms_norm`): its value is ``a [..., K] @ w_t [N, K]^T`` in
+    float32, summed over the ranks of ``tp``, rounded to ``dtype``."""
+
+    a: jax.Array
+    w_t: jax.Array
+    dtype: Any = struct.field(pytree_node=False)
+    tp: Any = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.a.shape[:-1], self.w_t.shape[0])
+
+
 def sum_parts(parts: jax.Array) -> jax.Array:
     """``parts [P, ...]`` summed in part order, ``((p0 + p1) + p2) + ...``: the order the kernels that take split-K
     parts sum them in (XLA's reduce over the axis may pick another)."""
@@ -60,13 +77,18 @@ def sum_parts(parts: jax.Array) -> jax.Array:
 
 def dense(y):
     """The value of ``y``: a :class:`SplitSum`'s parts summed (float32) and rounded to its dtype; an
-    :class:`Unreduced` output summed over its ranks and rounded; an array as it is."""
+    :class:`Unreduced` output summed over its ranks and rounded, a :class:`PendingProduct` formed, summed and rounded;
+    an array as it is."""
     if isinstance(y, SplitSum):
         return sum_parts(y.parts).astype(y.dtype)
     if isinstance(y, Unreduced):
         from jaxmtp.pallas.collectives import reduce_sum
 
         return reduce_sum(sum_parts(y.parts.astype(jnp.float32)), y.tp, y.dtype)
+    if isinstance(y, PendingProduct):
+        from jaxmtp.pallas.collectives import reduce_sum
+
+        return reduce_sum(jnp.einsum("...k,nk->...n", y.a, y.w_t, preferred_element_type=jnp.float32), y.tp, y.dtype)
     return y
 
 

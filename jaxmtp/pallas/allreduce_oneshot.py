@@ -68,18 +68,31 @@ _ROW_FLAGS = _ROW_COUNTERS + 4 * MAX_PROGRAMS  # flags [ranks, programs],
 _ROW_SYNC = _ROW_FLAGS + 4 * MAX_RANKS * MAX_PROGRAMS  # per row a call count and two arrival counters [rows, 4]
 _ROW_SQUARES = _ROW_SYNC + 16 * MAX_ROWS  # and the square sums of its programs [rows, 16] float32;
 _STAGING = _ROW_SQUARES + 4 * 16 * MAX_ROWS  # the plain kernel's staging [2, ranks, CAPACITY], then the fused
-# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`)
+# kernel's [2, ranks, MAX_ROWS * ROW_STRIDE] (:func:`_row_staging`), then the fused product kernel's section
 SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer that never comes: a bug, not a hang;
 # tests lower it, so that a broken protocol fails in a second instead of a minute per call)
+
+
+PRODUCT_MAX_ROWS = 4  # rows one call of the fused product kernel (jaxmtp.pallas.oneshot_product) may take
 
 
 def _row_staging(ranks: int) -> int:
     return _STAGING + 2 * ranks * CAPACITY * 4
 
 
+def _product_control(ranks: int) -> int:
+    """The fused product kernel's section (:mod:`jaxmtp.pallas.oneshot_product`): its call counter, arrival counter
+    and a flag per sender (int32, 64 bytes in all), then its staging [2, ranks, PRODUCT_MAX_ROWS * ROW_STRIDE]."""
+    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
+
+
+def _product_staging(ranks: int) -> int:
+    return _product_control(ranks) + 64
+
+
 def workspace_bytes(ranks: int) -> int:
     """Device bytes of one rank's workspace."""
-    return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
+    return _product_staging(ranks) + 2 * ranks * PRODUCT_MAX_ROWS * ROW_STRIDE * 4
 
 
 def available() -> bool:
@@ -382,6 +395,6 @@ def _has_axis(name: str) -> bool:
     return True
 
 
-__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "ROW_STRIDE", "SPIN_LIMIT",
-           "add_rms_norm", "allocate", "allreduce", "available", "reference",
-           "row_fusion_applies", "row_reference", "workspace_bytes"]
+__all__ = ["BLOCK", "CAPACITY", "MAX_PROGRAMS", "MAX_RANKS", "MAX_ROWS", "PRODUCT_MAX_ROWS", "ROW_STRIDE",
+           "SPIN_LIMIT", "add_rms_norm", "allocate", "allreduce", "available", "reference", "row_fusion_applies",
+           "row_reference", "workspace_bytes"]

@@ -32,7 +32,7 @@ from jaxmtp.pallas import gated_delta_rule as _gdr
 from jaxmtp.pallas import matmul as _matmul
 from jaxmtp.pallas import moe as _moe
 from jaxmtp.pallas import norms as _norms
-from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, SplitSum, Unreduced, dense, sum_parts
+from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET, PendingProduct, SplitSum, Unreduced, dense, sum_parts
 from jaxmtp.pallas.backend import Backend
 from jaxmtp.pallas.gated_delta_rule.mixer_reference import gdn_mixer_reference
 from jaxmtp.pallas.matmul.reference import argmax_from_partials, swiglu_reference
@@ -80,8 +80,17 @@ def rms_norm(x, weight, eps: float, backend: Backend):
 
 
 def add_rms_norm(x, y, weight, eps: float, backend: Backend):
-    """``(s, h) = (x + y, rms_norm(x + y))`` [..., H] (y may be a :class:`SplitSum`: the kernel sums its parts; or
-    an :class:`Unreduced` output, which the one-shot kernel reduces over the ranks in the same launch)."""
+    """``(s, h) = (x + y, rms_norm(x + y))`` [..., H] (y may be a :class:`SplitSum`: the kernel sums its parts; an
+    :class:`Unreduced` output, which the one-shot kernel reduces over the ranks in the same launch; or a
+    :class:`PendingProduct`, which the one-shot product kernel also forms)."""
+    if isinstance(y, PendingProduct):
+        from jaxmtp.pallas import oneshot_product
+
+        tp, p = y.tp, backend.policy
+        return oneshot_product.product_add_rms_norm(
+            x, y.a, y.w_t, weight, eps, tp.axis, tp.size, tp.peers, block_n=p.oneshot_product_block_n,
+            block_k=p.oneshot_product_block_k, num_warps=p.oneshot_product_num_warps,
+            num_stages=p.oneshot_product_num_stages, form=p.oneshot_product_form)
     if isinstance(y, Unreduced):
         from jaxmtp.pallas import allreduce_oneshot
 
@@ -132,6 +141,8 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
         elif transposed:
             w = w.T
         return _collectives.fixed_product(a, w.astype(a.dtype), tp).astype(a.dtype)
+    if partials and transposed and _product_fusion_applies(a, w, swiglu, tp, backend):
+        return PendingProduct(swiglu_reference(a, kdim) if swiglu else a, w, a.dtype, tp)
     if transposed and not is_fp8(w):
         y = _matmul.output_linear(a, w, swiglu=swiglu, implementation=backend.out_matmul,
                                   partials=partials or tp.active, policy=backend.policy)
@@ -163,6 +174,24 @@ def _fused_reduce_applies(y, tp, backend: Backend) -> bool:
     from jaxmtp.pallas import allreduce_oneshot
 
     return allreduce_oneshot.row_fusion_applies(_rows(y), y.shape[-1], tp.size)
+
+
+def _product_fusion_applies(a, w_t, swiglu: bool, tp, backend: Backend) -> bool:
+    """Whether a block's output product ``a @ w_t^T`` (a floating weight stored [N, K]) is left to the one-shot
+    kernel that also forms it (:class:`PendingProduct`): where the fused reduce applies, up to the policy's
+    ``oneshot_product_max_rows`` rows and shapes the kernel takes."""
+    policy = backend.policy
+    if (not tp.active or is_fp8(w_t) or is_quantized(w_t) or _rows(a) > policy.oneshot_product_max_rows
+            or not jnp.issubdtype(w_t.dtype, jnp.floating)):
+        return False
+    from jaxmtp.pallas import oneshot_product
+
+    n, kdim = w_t.shape
+    if not (a.shape[-1] >= 2 * kdim if swiglu else a.shape[-1] == kdim):
+        return False
+    return (_fused_reduce_applies(jax.ShapeDtypeStruct((*a.shape[:-1], n), a.dtype), tp, backend)
+            and oneshot_product.supports(_rows(a), kdim, n, tp.size, block_n=policy.oneshot_product_block_n,
+                                         block_k=policy.oneshot_product_block_k))
 
 
 def tp_sum(y, backend: Backend):
@@ -334,7 +363,7 @@ def head_choice(hidden, q, scale, backend: Backend, quantized=None) -> Choice:
 def add_norm_head_argmax(x, y, norm_weight, eps: float, q, scale, backend: Backend):
     """``h = rms_norm(x + y)`` [B, 1, H] and a quantised head's argmax over h's rows (:func:`head_choice`): where the
     int4 argmax kernel runs, the norm kernel hands it the rows already quantised."""
-    if (not isinstance(y, Unreduced)
+    if (not isinstance(y, (Unreduced, PendingProduct))
             and _matmul.argmax_partials_apply(_rows(x), x.shape[-1], q, backend.draft_head, backend.policy)):
         _, h, quantized = _norms.add_rms_norm_quantized(x, y, norm_weight, eps, implementation=backend.norm)
         return h, head_choice(h[:, 0], q, scale, backend, quantized)
