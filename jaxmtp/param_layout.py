@@ -101,7 +101,7 @@ def _transposed(w):
     return jax.device_put(jnp.swapaxes(w, -1, -2), w.sharding)
 
 
-def _set_outputs(d: dict, transposed: bool, ndim: int) -> None:
+def _set_outputs(d: dict, transposed: bool, ndim: int = 2) -> None:
     for name in OUTPUT_PROJECTIONS:
         src, dst = (name, name + TRANSPOSED_SUFFIX) if transposed else (name + TRANSPOSED_SUFFIX, name)
         if src in d and getattr(d[src], "ndim", 0) == ndim:
