@@ -299,22 +299,37 @@ def test_the_default_model_in_fp8_keeps_its_acceptance_length():
 
 
 @pytest.mark.parametrize("which", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
-def test_the_fp8_kernels_run_the_model_as_the_reference_does(which, dense_dirs, moe_dirs, rng):
+def test_the_fp8_kernels_run_the_model_as_the_reference_does(which, dense_dirs, moe_dirs, rng, monkeypatch):
     """The whole model with the FP8 products and experts on the GPU kernels (run by the Pallas interpreter): logits
     and drafts of a prefill-sized batch, a decode-sized one and one row (the multiply-add path) equal the reference
-    path's (float32, 1e-5)."""
+    path's (float32, 1e-5), with the policy's ``fp8_tail`` off; one row also with it on (the default), each GDN
+    layer's bf16 ``in_proj_b|a`` then formed in its FP8 in_proj launch."""
     import dataclasses
 
+    from jaxmtp.pallas import matmul
+
+    tails = []
+    with_tail = matmul.fp8_linear_with_tail
+    monkeypatch.setattr(matmul, "fp8_linear_with_tail", lambda *a, **kw: tails.append(1) or with_tail(*a, **kw))
     root, _ = dense_dirs if which == "dense" else moe_dirs
     ref = jaxmtp.load(str(root / "fp8"), dtype="float32", backend="xla", progress=False)
-    kern = dataclasses.replace(ref, backend=dataclasses.replace(ref.backend, fp8_matmul="triton_interpret",
-                                                                 moe="triton_interpret"))
+    kern = dataclasses.replace(ref, backend=dataclasses.replace(
+        ref.backend, fp8_matmul="triton_interpret", moe="triton_interpret",
+        policy=dataclasses.replace(ref.backend.policy, fp8_tail=False)))
+    tail = dataclasses.replace(kern, backend=dataclasses.replace(
+        kern.backend, policy=dataclasses.replace(kern.backend.policy, fp8_tail=True)))
     for ids in (rng.integers(0, 100, (1, 7)), rng.integers(0, 100, (3, 1)), rng.integers(0, 100, (1, 1))):
         for fn in ("logits", "draft_logits"):
             if fn == "draft_logits" and ids.shape[1] < 2:
                 continue
             a, b = getattr(kern, fn)(ids), getattr(ref, fn)(ids)
             assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5, (fn, ids.shape)
+    assert not tails
+    ids = rng.integers(0, 100, (1, 1))
+    a, b = tail.logits(ids), ref.logits(ids)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
+    gdn_layers = sum(t != "full_attention" for t in ref.config.layer_types)
+    assert len(tails) == gdn_layers > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

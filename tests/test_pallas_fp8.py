@@ -146,3 +146,53 @@ def test_lowers_for_cuda(m, k, n):
     args = (sds((m, k), BF16), sds((n, k), jnp.float8_e4m3fn), sds((-(-n // 128), -(-k // 128)), F32))
     text = jax.jit(fp8_matmul_triton).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.pad" not in text
+
+
+@pytest.mark.parametrize("m,k,n,n_tail,dtype", [(1, 256, 384, 96, F32), (1, 200, 300, 6, F32), (2, 640, 136, 10, BF16)])
+def test_a_floating_tail_fills_the_columns_after_the_fp8_ones(rng, m, k, n, n_tail, dtype):
+    """``tail``: a floating weight [K, N2] beside the FP8 one (the FP8 checkpoints' bf16 ``in_proj_b|a``), its columns
+    formed by extra programs of the same launch. The FP8 columns are those of the launch without a tail, bit for bit;
+    the tail's are x @ tail against float64; N2 not a multiple of BN (6, 10), K not one of the step (200, 640), two
+    rows on the multiply-add path. A tail on the tensor-core path is refused."""
+    x, q, scale, w64 = _inputs(rng, (m,), k, n, dtype)
+    tail = jnp.asarray(rng.standard_normal((k, n_tail)) / np.sqrt(k), dtype)
+    kw = dict(fma_max_rows=max(m, FMA_MAX_ROWS), interpret=True)
+    y = fp8_matmul_triton(x, q, scale, tail=tail, out_dtype=F32, **kw)
+    assert y.shape == (m, n + n_tail)
+    np.testing.assert_array_equal(np.asarray(y[:, :n]), np.asarray(fp8_matmul_triton(x, q, scale, out_dtype=F32, **kw)))
+    want = np.asarray(x, np.float64) @ np.asarray(tail, np.float64)
+    assert _rel_err(y[:, n:], want) < 1e-5
+    with pytest.raises(ValueError, match="tail"):
+        fp8_matmul_triton(x, q, scale, tail=tail, fma_max_rows=0, interpret=True)
+
+
+def test_the_policy_runs_an_fp8_projection_and_its_floating_tail_in_one_launch(rng):
+    """``ops.linear_parts`` with the policy's ``fp8_tail``: an FP8 weight and a floating one after it (the GDN
+    in_proj of an FP8 checkpoint) give the values of the two products concatenated, in one Triton launch for one
+    row (lowered for CUDA) where without the option the floating product and the concatenation run apart."""
+    import dataclasses
+
+    from jaxmtp.pallas import ops
+    from jaxmtp.pallas.backend import Backend
+
+    x, q, scale, w64 = _inputs(rng, (1, 1), 256, 384, F32)
+    tail = jnp.asarray(rng.standard_normal((256, 12)) / 16, F32)
+    ws = [{"weight": q, "block_scale": scale}, tail]
+    on = Backend(fp8_matmul="triton_interpret", matmul="xla")
+    assert on.policy.fp8_tail  # the default
+    off = dataclasses.replace(on, policy=dataclasses.replace(on.policy, fp8_tail=False))
+    got, apart = ops.linear_parts(x, ws, on), ops.linear_parts(x, ws, off)
+    assert got.shape == (1, 1, 396)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(apart), rtol=1e-6, atol=1e-6)
+    want = np.concatenate([np.asarray(x[0], np.float64) @ w64.T, np.asarray(x[0], np.float64) @ np.asarray(tail)], -1)
+    assert _rel_err(got[0], want) < 1e-5
+    sds = jax.ShapeDtypeStruct
+    cuda = lambda b: dataclasses.replace(b, fp8_matmul="triton")  # noqa: E731
+    args = (sds((1, 1, 5120), BF16), {"weight": sds((16384, 5120), jnp.float8_e4m3fn), "block_scale":
+            sds((128, 40), F32)}, sds((5120, 96), BF16))
+    for backend in (cuda(on), cuda(off)):
+        text = jax.jit(lambda x, w, t, b=backend: ops.linear_parts(x, [w, t], b)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        apart = not backend.policy.fp8_tail  # the floating product and the concatenation outside the launch
+        assert ("stablehlo.dot_general" in text) == apart and ("stablehlo.concatenate" in text) == apart

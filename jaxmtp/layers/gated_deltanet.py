@@ -104,7 +104,7 @@ def gated_deltanet(p, cfg: Qwen35Config, x, positions: jax.Array, carry: GDNCarr
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     proj = fused_product(p, x, "in_proj_qkvzba", lambda a, w: ops.linear(a, w, backend),
-                         lambda a: ops.form(a, backend))
+                         lambda a: ops.form(a, backend), lambda a, ws: ops.linear_parts(a, ws, backend))
     mixed, z, b_raw, a_raw = split_fused(proj, "in_proj_qkvzba", p, cfg)
     z = z.reshape(b, t, hv, dv)
     valid, start = positions >= 0, row_start(positions)

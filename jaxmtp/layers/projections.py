@@ -61,14 +61,18 @@ def stored_parts(p, fused: str) -> list[str]:
     return keys
 
 
-def fused_product(p, x, fused: str, mm: Callable, form: Callable):
+def fused_product(p, x, fused: str, mm: Callable, form: Callable, mm_parts: Callable | None = None):
     """``x @ W`` for the fused weight ``p[fused]`` [K, >= sum of the parts' widths], or the products of the stored
     parts (:func:`stored_parts`: native projections or fused runs) concatenated (x formed once first with ``form``:
-    it may be a lazy norm). ``mm(x, w)`` computes a product."""
+    it may be a lazy norm). ``mm(x, w)`` computes a product; ``mm_parts(x, [w, ...])``, where given, the parts'
+    products concatenated (:func:`jaxmtp.pallas.ops.linear_parts`)."""
     if fused in p:
         return mm(x, p[fused])
     x = form(x)
-    return jnp.concatenate([mm(x, p[name]) for name in stored_parts(p, fused)], axis=-1)
+    parts = [p[name] for name in stored_parts(p, fused)]
+    if mm_parts is not None:
+        return mm_parts(x, parts)
+    return jnp.concatenate([mm(x, w) for w in parts], axis=-1)
 
 
 def split_fused(y: jax.Array, fused: str, p, cfg=None) -> list[jax.Array]:

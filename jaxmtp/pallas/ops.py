@@ -123,6 +123,18 @@ def linear(x, w, backend: Backend, *, transpose_w: bool = False, out_dtype=None)
     return _matmul.linear(x, w, transpose_w=transpose_w, out_dtype=out_dtype, implementation=impl, policy=policy)
 
 
+def linear_parts(x, ws, backend: Backend):
+    """``concat(x @ W_i)`` [..., sum of N_i] over the weights ``ws`` (a fused projection stored in parts, e.g. an FP8
+    run and a floating one): a last floating weight after an FP8 one runs in that one's launch where the policy's
+    ``fp8_tail`` takes it (:func:`jaxmtp.pallas.matmul.fp8_linear_with_tail`), every other part by :func:`linear`."""
+    x = form(x, backend)
+    if len(ws) >= 2 and _matmul.fp8_tail_applies(x.shape, ws[-2], ws[-1], backend.fp8_matmul, backend.policy):
+        both = _matmul.fp8_linear_with_tail(x, ws[-2], ws[-1], implementation=backend.fp8_matmul,
+                                            policy=backend.policy)
+        return jnp.concatenate([*(linear(x, w, backend) for w in ws[:-2]), both], axis=-1) if len(ws) > 2 else both
+    return jnp.concatenate([linear(x, w, backend) for w in ws], axis=-1)
+
+
 def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = False, partials: bool = False,
                    reduce: bool = True):
     """A block's output product ``a @ W`` [..., N] (o_proj, out_proj, down_proj): ``w`` stored ``[K, N]``, or ``[N, K]``

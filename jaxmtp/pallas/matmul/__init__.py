@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxmtp.pallas._common import TRITON, TRITON_INTERPRET
 from jaxmtp.pallas.matmul.fp8_triton import fp8_matmul_triton
 from jaxmtp.pallas.matmul.fp8_triton import supports as fp8_supports
+from jaxmtp.pallas.matmul.fp8_triton import tail_applies as fp8_tail_supported
 from jaxmtp.pallas.matmul.gemv_triton import gemv_matmul_triton
 from jaxmtp.pallas.matmul.gemv_triton import plan as gemv_plan
 from jaxmtp.pallas.matmul.gemv_triton import supports as gemv_supports
@@ -53,6 +55,28 @@ def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: Ker
                                  lanes=policy.fp8_fma_lanes, dot_min_programs=policy.fp8_dot_min_programs,
                                  interpret=implementation == TRITON_INTERPRET)
     return fp8_matmul_reference(x, q, s, out_dtype=out_dtype)
+
+
+def fp8_tail_applies(x_shape, w, tail, implementation: str, policy: KernelPolicy = DEFAULT_POLICY) -> bool:
+    """Whether :func:`fp8_linear_with_tail` runs ``x @ [dequant(W)^T | tail]`` as one launch: a block-FP8 ``w``, a
+    floating ``tail [K, N2]``, the policy's ``fp8_tail`` on, a kernel implementation and rows on the one-split
+    multiply-add path."""
+    if not (policy.fp8_tail and is_fp8(w) and isinstance(tail, jax.Array) and tail.ndim == 2
+            and jnp.issubdtype(tail.dtype, jnp.floating) and _kernel(implementation)):
+        return False
+    q = w["weight"]
+    rows, k = math.prod(x_shape[:-1]), x_shape[-1]
+    return (tail.shape[0] == k == q.shape[1] and rows <= policy.fp8_kernel_max_rows
+            and fp8_tail_supported(rows, k, q.shape[0], fma_max_rows=policy.fp8_fma_max_rows,
+                                   dot_min_programs=policy.fp8_dot_min_programs))
+
+
+def fp8_linear_with_tail(x, w, tail, *, implementation: str, policy: KernelPolicy = DEFAULT_POLICY):
+    """``concat(x @ dequant(W)^T, x @ tail)`` [..., N + N2] in x's dtype, one launch (only where
+    :func:`fp8_tail_applies`): the FP8 kernel's extra programs form the floating tail's columns."""
+    return fp8_matmul_triton(x, w["weight"], w["block_scale"], fma_max_rows=policy.fp8_fma_max_rows,
+                             lanes=policy.fp8_fma_lanes, dot_min_programs=policy.fp8_dot_min_programs, tail=tail,
+                             interpret=implementation == TRITON_INTERPRET)
 
 
 def is_quantized(w) -> bool:
@@ -227,8 +251,8 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla", policy: Kernel
                       axis=-1).astype(jnp.int32)
 
 
-__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "dequantize_fp8", "fp8_linear", "fp8_matmul_reference",
-           "fp8_matmul_triton", "gemv_matmul_triton", "is_fp8", "is_quantized",
+__all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "dequantize_fp8", "fp8_linear",
+           "fp8_linear_with_tail", "fp8_matmul_reference", "fp8_matmul_triton", "fp8_tail_applies", "gemv_matmul_triton", "is_fp8", "is_quantized",
            "layer_gemv", "layer_gemv_applies", "layer_swiglu_applies", "linear", "matmul_reference", "output_linear",
            "quantized_argmax", "quantized_argmax_partials", "quantized_linear", "quantized_matmul_reference",
            "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference",

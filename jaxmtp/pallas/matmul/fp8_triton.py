@@ -109,15 +109,55 @@ def _both(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _fma_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bn, bk, steps, ragged_k, lanes):
+def _fma_kernel(x_ref, w_ref, s_ref, *refs, m, k, n, bn, bk, steps, ragged_k, lanes, n_tail=0):
     """x [m, K]; w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)]; o [m, N] (this split's). Program (j, s): W's
     rows ``[j BN, (j + 1) BN)`` over the K steps ``[s steps, (s + 1) steps)``; ``ragged_k``: the steps cover more
     than K (columns from K on masked). Each row's accumulator is ``[BN, BK / lanes]``: the ``lanes`` products of
     one thread's 16-byte load are summed in registers first, with no exchange between threads (a tile-wide
-    accumulator, lanes 1, holds more registers per byte in flight and measured up to 1.5x slower)."""
-    f32 = jnp.float32
-    n0 = pl.program_id(0) * bn
+    accumulator, lanes 1, holds more registers per byte in flight and measured up to 1.5x slower). With
+    ``n_tail``, refs are ``t, o``: a floating weight t [K, n_tail] whose products fill o's columns from N on (o [m,
+    N + n_tail], one split); the first ``cdiv(n_tail, BN)`` programs take BN of its columns each (first, so that
+    they run beside the FP8 rows rather than after them), the rest the FP8 rows."""
+    *t_ref, o_ref = refs
     k0 = pl.program_id(1) * steps * bk
+    if n_tail:
+        first = pl.cdiv(n_tail, bn)
+        j = pl.program_id(0)
+        pl.when(j < first)(lambda: _tail_columns(x_ref, t_ref[0], o_ref, j * bn, m=m, k=k, n=n, n_tail=n_tail, bn=bn,
+                                                 bk=bk))
+        pl.when(j >= first)(lambda: _fma_rows(x_ref, w_ref, s_ref, o_ref, (j - first) * bn, k0, m=m, k=k, n=n, bn=bn,
+                                              bk=bk, steps=steps, ragged_k=ragged_k, lanes=lanes))
+    else:
+        _fma_rows(x_ref, w_ref, s_ref, o_ref, pl.program_id(0) * bn, k0, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps,
+                  ragged_k=ragged_k, lanes=lanes)
+
+
+def _tail_columns(x_ref, t_ref, o_ref, c0, *, m, k, n, n_tail, bn, bk):
+    """Columns ``[c0, c0 + BN)`` of a floating weight t [K, n_tail] (stored ``x @ W``, as the projections are) times
+    the rows, float32 accumulation, into o's columns from ``N + c0``."""
+    f32 = jnp.float32
+    ragged_k = k % bk != 0
+    kk = lax.iota(jnp.int32, bk)
+    cols_ok = c0 + lax.iota(jnp.int32, bn) < n_tail if n_tail % bn else None
+
+    def body(i, accs):
+        off = pl.multiple_of(i * bk, bk)
+        k_ok = off + kk < k if ragged_k else None
+        mask = _both(None if k_ok is None else jnp.broadcast_to(k_ok[:, None], (bk, bn)),
+                     None if cols_ok is None else jnp.broadcast_to(cols_ok[None, :], (bk, bn)))
+        w = _load(t_ref.at[pl.ds(off, bk), pl.ds(c0, bn)], mask).astype(f32)  # [BK, BN]
+        xs = [_load(x_ref.at[jnp.int32(r), pl.ds(off, bk)], k_ok).astype(f32) for r in range(m)]
+        return tuple(acc + jnp.sum(w * x[:, None], axis=0) for acc, x in zip(accs, xs))
+
+    accs = lax.fori_loop(0, pl.cdiv(k, bk), body, tuple(jnp.zeros((bn,), f32) for _ in range(m)))
+    for r, acc in enumerate(accs):
+        pltr.store(o_ref.at[jnp.int32(r), pl.ds(n + c0, bn)], acc.astype(o_ref.dtype), mask=cols_ok)
+
+
+def _fma_rows(x_ref, w_ref, s_ref, o_ref, n0, k0, *, m, k, n, bn, bk, steps, ragged_k, lanes):
+    """One program of :func:`_fma_kernel`: W's rows ``[n0, n0 + BN)`` (e4m3, block scales ``s_ref``) from K step
+    ``k0`` on, into o's columns ``[n0, n0 + BN)``."""
+    f32 = jnp.float32
     nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
     col = lax.iota(jnp.int32, bk)
     col_block = lax.div(col, FP8_BLOCK)  # a column's scale block within the step
@@ -175,13 +215,16 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
                                              "interpret"))
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
                       num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None,
-                      dot_min_programs=DOT_MIN_PROGRAMS, interpret=False):
+                      dot_min_programs=DOT_MIN_PROGRAMS, tail=None, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
     [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype``
     (default x.dtype), float32 accumulation. Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core
     path; tiles default to :func:`plan` (``block_m``: the tensor-core path only; ``lanes``: the multiply-add path
     only). BN must divide 128, BM (a power of two >= 16) and BK (a power of two >= 128, a multiple of ``lanes``) are
-    free; ``splits`` divides the K steps between programs (float32 partials, summed here in part order)."""
+    free; ``splits`` divides the K steps between programs (float32 partials, summed here in part order). ``tail``:
+    a floating weight [K, N2] (FP8 checkpoints keep ``in_proj_b|a`` in bf16 beside the FP8 ``in_proj_qkv|z``) whose
+    products fill columns ``[N, N + N2)`` of the output, from extra programs of the same launch (multiply-add path,
+    one split; :func:`tail_applies`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), w.shape[0]
     n_blocks = (pl.cdiv(n, FP8_BLOCK), pl.cdiv(k, FP8_BLOCK))
@@ -198,34 +241,48 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
             or bk % lanes):
         raise ValueError(f"tiles BM={bm}, BN={bn}, BK={bk}, lanes={lanes}: BN must divide {FP8_BLOCK}, BK be a power "
                          f"of two >= {FP8_BLOCK} that lanes divides and BM (tensor-core path) one >= 16")
+    n_tail = 0 if tail is None else tail.shape[1]
+    if tail is not None and (not p.fma or ns != 1 or tail.shape != (k, n_tail)
+                             or not jnp.issubdtype(tail.dtype, jnp.floating)):
+        raise ValueError(f"a floating tail {tail.shape} {tail.dtype} runs on the one-split multiply-add path with K "
+                         f"{k} only (rows {m}, splits {ns})")
     steps = pl.cdiv(pl.cdiv(k, bk), ns)  # K steps per split
     ragged_k = steps * bk * ns != k
     if p.fma:
         kernel = functools.partial(_fma_kernel, m=m, k=k, n=n, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
-                                   lanes=lanes)
-        grid = (pl.cdiv(n, bn), ns)
+                                   lanes=lanes, n_tail=n_tail)
+        grid = (pl.cdiv(n, bn) + pl.cdiv(n_tail, bn), ns)
     else:
         kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
                                    dtype=work_dtype(x.dtype), interpret=bool(interpret))
         grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), ns)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *g: (0,) * a.ndim)  # noqa: E731  (indexed in the kernel)
     if ns == 1:
-        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-        out_spec = pl.BlockSpec((m, n), lambda *g: (0, 0))
+        out_shape = jax.ShapeDtypeStruct((m, n + n_tail), out_dtype)
+        out_spec = pl.BlockSpec((m, n + n_tail), lambda *g: (0, 0))
     else:
         out_shape = jax.ShapeDtypeStruct((ns, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, m, n), lambda *g: (g[-1], 0, 0))
     x2, scale = x.reshape(m, k), block_scale.astype(jnp.float32)
+    tails = [] if tail is None else [tail]
     y = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[whole(x2), whole(w), whole(scale)],
+        in_specs=[whole(x2), whole(w), whole(scale), *map(whole, tails)],
         out_specs=out_spec,
         compiler_params=pltr.CompilerParams(num_warps=num_warps or p.num_warps, num_stages=num_stages or p.num_stages),
         interpret=interpret,
         name="fp8_matmul",
-    )(x2, w, scale)
+    )(x2, w, scale, *tails)
     if ns > 1:
         y = sum_parts(y).astype(out_dtype)
-    return y.reshape(*lead, n)
+    return y.reshape(*lead, n + n_tail)
+
+
+def tail_applies(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS,
+                 dot_min_programs: int = DOT_MIN_PROGRAMS) -> bool:
+    """Whether :func:`fp8_matmul_triton` takes a floating ``tail`` for these shapes: the plan's multiply-add path with
+    one split."""
+    p = plan(m, k, n, fma_max_rows=fma_max_rows, dot_min_programs=dot_min_programs)
+    return p.fma and p.splits == 1
