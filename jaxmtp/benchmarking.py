@@ -125,6 +125,24 @@ def variant_model(model: Model, spec: str) -> Model:
 # ---------------------------------------------------------------------------------------------------------------
 # engines with every slot busy
 # ---------------------------------------------------------------------------------------------------------------
+def oneshot_mesh(spin_limit: int | None = None):
+    """Every GPU of the host (at most the one-shot kernels' ``MAX_RANKS``) as a ``tp`` mesh with its one-shot
+    workspaces, for the one-shot benchmarks: ``(ranks, mesh, workspaces, peers)``; exits where there are fewer than
+    two CUDA GPUs or no jax_triton. ``spin_limit``: polls before a kernel gives up on a peer and writes NaN (lower:
+    a broken protocol shows at once)."""
+    from jax.sharding import Mesh
+
+    from jaxmtp.pallas import allreduce_oneshot
+
+    if spin_limit:
+        allreduce_oneshot.SPIN_LIMIT = spin_limit
+    if not allreduce_oneshot.available() or len(jax.devices()) < 2:
+        raise SystemExit("needs two or more CUDA GPUs and jax_triton")
+    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
+    return (n, mesh, *allreduce_oneshot.allocate(mesh))
+
+
 def fill_synthetic(eng: Engine, context: int, seed: int) -> None:
     """Make every slot of ``eng`` an active request ``context`` tokens deep (random last token and drafts, KV as
     allocated), so that the step can be timed without compiling prefill shapes: step cost does not depend on the

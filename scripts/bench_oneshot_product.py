@@ -28,9 +28,9 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxmtp.benchmarking import run_metadata, write_json
+    from jaxmtp.benchmarking import oneshot_mesh, run_metadata, write_json
     from jaxmtp.pallas import allreduce_oneshot, oneshot_product
     from jaxmtp.pallas._common import SplitSum
     from jaxmtp.pallas.norms import add_rms_norm_triton
@@ -46,21 +46,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--stream-bytes", type=float, default=256e6, help="weight copies rotated per loop: this many bytes")
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--spin-limit", type=int, default=None)
+    ap.add_argument("--spin-limit", type=int, default=None,
+                    help="polls before a kernel gives up on a peer and writes NaN (lower: a broken protocol shows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.spin_limit:
-        allreduce_oneshot.SPIN_LIMIT = args.spin_limit
-    if not allreduce_oneshot.available() or len(jax.devices()) < 2:
-        raise SystemExit("needs two or more CUDA GPUs and jax_triton")
-    n = min(len(jax.devices()), allreduce_oneshot.MAX_RANKS)
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tp",))
-    ws, peers = allreduce_oneshot.allocate(mesh)
+    n, mesh, ws, peers = oneshot_mesh(args.spin_limit)
     h, eps = args.hidden, 1e-6
     w = jnp.asarray(np.random.default_rng(0).standard_normal(h) * 0.1, jnp.float32)
     put = lambda v: jax.device_put(v, NamedSharding(mesh, P("tp")))  # noqa: E731
 
-    ways = {"local": lambda x, a, wk, wt: add_rms_norm_triton(x, SplitSum((a @ wk).astype(jnp.float32)[None], x.dtype), w, eps),
+    ways = {"local": lambda x, a, wk, wt: add_rms_norm_triton(x, SplitSum((a @ wk).astype(jnp.float32)[None], x.dtype),
+                                                              w, eps),
             "xla+fused": lambda x, a, wk, wt: allreduce_oneshot.add_rms_norm(x, (a @ wk)[None], w, eps, "tp", n,
                                                                             peers)}
     for spec in args.tiles.split(";"):
