@@ -6,8 +6,9 @@ in shared memory (each process passes its own mappings' addresses as the peers')
 flags concurrently as GPUs do. The workspaces start as if 2^31 - 2 calls had been made: the calls cross the int32
 wrap of the counters, where a parity taken as ``e % 2`` or a flag compared with ``<`` (not by difference) reads a
 peer's stale block. The fused kernel runs one program per row (its one-program-per-chunk mode needs the programs of
-a row resident together, which the interpreter's one-at-a-time programs are not). Needs the ``triton`` package,
-which is not a dependency: skipped without it. On a GPU the kernels are checked against ``lax.psum``
+a row resident together, which the interpreter's one-at-a-time programs are not); so do the fused product kernel's
+(jaxmtp.pallas.oneshot_product). Needs the ``triton`` package (a test dependency on Linux x86-64, where its wheels
+exist): skipped without it. On a GPU the kernels are checked against ``lax.psum`` and their references
 (tests/test_gpu_checks.py).
 """
 
