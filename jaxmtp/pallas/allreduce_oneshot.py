@@ -82,7 +82,8 @@ def _row_staging(ranks: int) -> int:
 
 def _product_control(ranks: int) -> int:
     """The fused product kernel's section (:mod:`jaxmtp.pallas.oneshot_product`): its call counter, arrival counter
-    and a flag per sender (int32, 64 bytes in all), then its staging [2, ranks, PRODUCT_MAX_ROWS * ROW_STRIDE]."""
+    and a flag per sender (int32, 64 bytes in all), then this rank's staging [2, PRODUCT_MAX_ROWS * ROW_STRIDE]
+    (float32; the peers read it)."""
     return _row_staging(ranks) + 2 * ranks * MAX_ROWS * ROW_STRIDE * 4
 
 
@@ -92,7 +93,7 @@ def _product_staging(ranks: int) -> int:
 
 def workspace_bytes(ranks: int) -> int:
     """Device bytes of one rank's workspace."""
-    return _product_staging(ranks) + 2 * ranks * PRODUCT_MAX_ROWS * ROW_STRIDE * 4
+    return _product_staging(ranks) + 2 * PRODUCT_MAX_ROWS * ROW_STRIDE * 4
 
 
 def available() -> bool:
