@@ -6,10 +6,9 @@ residual), the weight rotating over enough copies that it streams from HBM as in
 * ``local``: XLA's product, then the add + norm kernel on this rank's partial, no reduction (the floor);
 * ``xla+fused``: XLA's product ([K, N] weight), then the fused reduce + add + norm kernel (the one-shot mode's
   default, :func:`jaxmtp.pallas.allreduce_oneshot.add_rms_norm`);
-* ``product-BN-BK-W-S-fF``: the product fused with the exchange, the add and the norm
+* ``product-BN-BK-W-S``: the product fused with the exchange, the add and the norm
   (:func:`jaxmtp.pallas.oneshot_product.product_add_rms_norm`, [N, K] weight) at BN columns per program, BK of K per
-  step, W warps, S pipeline stages, accumulating in form F; with ``--gemv`` also ``gemv-...``, that kernel's
-  product alone (no exchange).
+  step, W warps, S pipeline stages; with ``--gemv`` also ``gemv-...``, that kernel's product alone (no exchange).
 
     python scripts/bench_oneshot_product.py --kdims 8704,3072 --rows 1,4 --tiles "4,512,4,3;8,512,4,3" \\
         --out results/oneshot_product.json
@@ -40,7 +39,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--tiles", default="4,512,4,3;8,512,4,3;4,256,4,3;8,1024,8,3;16,512,8,3",
-                    help="';'-separated BN,BK,warps,stages[,form] of the fused product kernel")
+                    help="';'-separated BN,BK,warps,stages of the fused product kernel")
     ap.add_argument("--gemv", action="store_true",
                     help="also each tiling's product alone (exchange=False: no reduction, add or norm), as gemv-...")
     ap.add_argument("--stream-bytes", type=float, default=256e6, help="weight copies rotated per loop: this many bytes")
@@ -60,13 +59,12 @@ def main(argv=None) -> dict:
             "xla+fused": lambda x, a, wk, wt: allreduce_oneshot.add_rms_norm(x, (a @ wk)[None], w, eps, "tp", n,
                                                                             peers)}
     for spec in args.tiles.split(";"):
-        bn, bk, nw, ns, form = ((int(v) for v in spec.split(",")) if spec.count(",") == 4
-                                else (*(int(v) for v in spec.split(",")), 0))
+        bn, bk, nw, ns = (int(v) for v in spec.split(","))
         for exchange in (True, False) if args.gemv else (True,):
-            ways[f"{'product' if exchange else 'gemv'}-{bn}-{bk}-{nw}-{ns}-f{form}"] = (
-                lambda x, a, wk, wt, bn=bn, bk=bk, nw=nw, ns=ns, form=form, exchange=exchange:
+            ways[f"{'product' if exchange else 'gemv'}-{bn}-{bk}-{nw}-{ns}"] = (
+                lambda x, a, wk, wt, bn=bn, bk=bk, nw=nw, ns=ns, exchange=exchange:
                 oneshot_product.product_add_rms_norm(x, a, wt, w, eps, "tp", n, peers, block_n=bn, block_k=bk,
-                                                     num_warps=nw, num_stages=ns, form=form, exchange=exchange))
+                                                     num_warps=nw, num_stages=ns, exchange=exchange))
 
     def chained(step, copies):
         def f(x, acts, wks, wts):

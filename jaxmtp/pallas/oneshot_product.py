@@ -10,8 +10,9 @@ the last program of a rank exchanges and waits.
 The product: W stored ``[N, K]`` (K contiguous; the one-row output layout of
 :func:`jaxmtp.param_layout.set_output_layout`), this rank's K slice. Program j owns output columns
 ``[j BN, (j + 1) BN)`` of every row over the whole of K (no split, so no partial sums): per ``BK`` step it loads a
-``[BN, BK]`` tile and the rows' ``[R, BK]``, widened to float32, and accumulates the products (``form``: a tile-wide
-accumulator, or each thread's ``LANES`` adjacent products summed first).
+``[BN, BK]`` tile and the rows' ``[R, BK]``, widened to float32, and adds their products to a tile-wide float32
+accumulator, reduced once at the end (the fastest of three ways measured; docs/performance.md, "The product in the
+same launch").
 
 The protocol (a section of the one-shot workspace of its own, :func:`jaxmtp.pallas.allreduce_oneshot.allocate`: a
 call counter, an arrival counter, a flag per sender, staging of two parities x ``PRODUCT_MAX_ROWS`` rows):
@@ -51,9 +52,6 @@ import jax.numpy as jnp
 from jaxmtp.pallas import allreduce_oneshot as _oneshot
 from jaxmtp.pallas._common import next_pow2
 
-LANES = 8  # bf16 products per 16-byte load, summed in registers before the accumulator
-
-
 @functools.cache
 def _kernel():
     import triton
@@ -65,10 +63,10 @@ def _kernel():
     @triton.jit
     def oneshot_product_add_rms_norm(a_ptr, w_ptr, x_ptr, nw_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr,
                                      h_ptr, R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-                                     BN: tl.constexpr, BK: tl.constexpr, LANES: tl.constexpr, C: tl.constexpr,
+                                     BN: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                                      N: tl.constexpr, EPS: tl.constexpr, STRIDE: tl.constexpr,
                                      MAXROWS: tl.constexpr, CONTROL: tl.constexpr, STAGING: tl.constexpr,
-                                     SPIN_LIMIT: tl.constexpr, FORM: tl.constexpr, EXCHANGE: tl.constexpr):
+                                     SPIN_LIMIT: tl.constexpr, EXCHANGE: tl.constexpr):
         j = tl.program_id(0)
         me = tl.load(rank_ptr)
         group = tl.load(rank_ptr + 1)
@@ -81,19 +79,11 @@ def _kernel():
         # this program's columns of every row: [RP, BN] float32
         rows = tl.arange(0, RP)
         cols = j * BN + tl.arange(0, BN)
-        if FORM == 0:  # [BN, BK / LANES, LANES] loads, each thread's lanes summed as loaded
-            steps = tl.arange(0, BK // LANES)
-            lanes = tl.arange(0, LANES)
-            k_in = (steps[:, None] * LANES + lanes[None, :])[None, :, :]  # [1, BK / LANES, LANES]
-            w_at = w_ptr + cols[:, None, None] * K
-            a_at = a_ptr + rows[:, None, None] * K
-            row_ok = rows[:, None, None] < R
-        else:  # [BN, BK] loads; FORM 1: the lanes summed after a reshape, FORM 2: a tile-wide accumulator
-            k_in = tl.arange(0, BK)[None, :]
-            w_at = w_ptr + cols[:, None] * K
-            a_at = a_ptr + rows[:, None] * K
-            row_ok = rows[:, None] < R
-        acc = tl.zeros((RP, BN, BK if FORM == 2 else BK // LANES), tl.float32)
+        k_in = tl.arange(0, BK)[None, :]
+        w_at = w_ptr + cols[:, None] * K
+        a_at = a_ptr + rows[:, None] * K
+        row_ok = rows[:, None] < R
+        acc = tl.zeros((RP, BN, BK), tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + k_in
             if K % BK:  # a last step past K: its columns masked
@@ -105,13 +95,7 @@ def _kernel():
             else:
                 w = tl.load(w_at + kk)
                 a = tl.load(a_at + kk)
-            prod = w.to(tl.float32)[None] * a.to(tl.float32)[:, None]  # [RP, BN, ...]
-            if FORM == 0:
-                acc += tl.sum(prod, axis=3)
-            elif FORM == 1:
-                acc += tl.sum(tl.reshape(prod, (RP, BN, BK // LANES, LANES)), axis=3)
-            else:
-                acc += prod
+            acc += w.to(tl.float32)[None] * a.to(tl.float32)[:, None]  # [RP, BN, BK]
         part = tl.sum(acc, axis=2)
         if not EXCHANGE:  # the product alone (benchmarks): s and h its rounded value
             out = rows[:, None] * H + cols[None, :]
@@ -165,28 +149,26 @@ def _kernel():
 
 def supports(rows: int, kdim: int, hdim: int, ranks: int, *, block_n: int, block_k: int) -> bool:
     """Whether :func:`product_add_rms_norm` takes ``rows`` rows of a ``[hdim, kdim]`` weight slice over ``ranks``
-    ranks with these tiles (BN and BK powers of two, BN dividing the hidden size, BK a multiple of ``LANES``; a
-    hidden size up to the staging's row stride that the norm kernel's chunks divide)."""
+    ranks with these tiles (BN and BK powers of two, BN dividing the hidden size; a hidden size up to the staging's
+    row stride that the norm kernel's chunks divide)."""
     from jaxmtp.pallas.norms import supports as norm_supports
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     return (0 < rows <= _oneshot.PRODUCT_MAX_ROWS and 1 < ranks <= _oneshot.MAX_RANKS and kdim > 0
             and hdim <= _oneshot.ROW_STRIDE and norm_supports(hdim) and pow2(chunk_size(hdim)) and pow2(block_n)
-            and pow2(block_k) and hdim % block_n == 0 and block_k % LANES == 0)
+            and pow2(block_k) and hdim % block_n == 0)
 
 
 def product_add_rms_norm(x: jax.Array, a: jax.Array, w_t: jax.Array, weight: jax.Array, eps: float, axis: str,
                          ranks: int, peers: tuple[int, ...], *, block_n: int = 8, block_k: int = 512,
-                         num_warps: int = 4, num_stages: int = 3, form: int = 2,
+                         num_warps: int = 4, num_stages: int = 3,
                          exchange: bool = True) -> tuple[jax.Array, jax.Array]:
     """``(s, h)`` [..., H] in x's dtype: ``s = x + round(sum over ranks of a @ w_t^T)``, ``h = rms_norm(s, weight,
     eps)`` (:func:`reference`), in one launch inside the step's ``shard_map``. x [..., H] the residual stream; a
     [..., K] this rank's slice of the product's input; ``w_t [H, K]`` this rank's slice of the weight; ``weight``
     [H] the norm's offset (scale ``1 + w``); ``peers`` the workspaces' addresses. Tiles: BN output columns per
-    program, BK of K per step, and how a program accumulates (``form`` 0: ``[BN, BK / LANES, LANES]`` loads, each
-    thread's lanes summed as loaded; 1: ``[BN, BK]`` loads, the lanes summed after a reshape; 2: a tile-wide
-    accumulator) (the kernel policy's ``oneshot_product_*``). ``exchange=False`` (benchmarks: the product's own
+    program, BK of K per step (the kernel policy's ``oneshot_product_*``). ``exchange=False`` (benchmarks: the product's own
     time) skips the exchange: s and h are this rank's product."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
@@ -201,10 +183,10 @@ def product_add_rms_norm(x: jax.Array, a: jax.Array, w_t: jax.Array, weight: jax
     s, h = jt.triton_call(
         a.reshape(rows, kdim), w_t, x.reshape(rows, hdim), weight, _oneshot._rank_and_group(axis, ranks), *peers,
         kernel=_kernel(), out_shape=[row, row], grid=(hdim // block_n,), num_warps=num_warps, num_stages=num_stages,
-        R=rows, RP=next_pow2(rows), K=kdim, H=hdim, BN=block_n, BK=block_k, LANES=LANES, C=chunk_size(hdim),
+        R=rows, RP=next_pow2(rows), K=kdim, H=hdim, BN=block_n, BK=block_k, C=chunk_size(hdim),
         N=ranks, EPS=float(eps), STRIDE=_oneshot.ROW_STRIDE, MAXROWS=_oneshot.PRODUCT_MAX_ROWS,
         CONTROL=_oneshot._product_control(ranks), STAGING=_oneshot._product_staging(ranks),
-        SPIN_LIMIT=_oneshot.SPIN_LIMIT, FORM=form, EXCHANGE=exchange)
+        SPIN_LIMIT=_oneshot.SPIN_LIMIT, EXCHANGE=exchange)
     return s.reshape(x.shape), h.reshape(x.shape)
 
 
@@ -216,4 +198,4 @@ def reference(x: jax.Array, a: jax.Array, w_t: jax.Array, weight: jax.Array, eps
     return _oneshot.row_reference(x, y[None], weight, eps, axis)
 
 
-__all__ = ["LANES", "product_add_rms_norm", "reference", "supports"]
+__all__ = ["product_add_rms_norm", "reference", "supports"]

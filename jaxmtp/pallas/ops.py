@@ -90,7 +90,7 @@ def add_rms_norm(x, y, weight, eps: float, backend: Backend):
         return oneshot_product.product_add_rms_norm(
             x, y.a, y.w_t, weight, eps, tp.axis, tp.size, tp.peers, block_n=p.oneshot_product_block_n,
             block_k=p.oneshot_product_block_k, num_warps=p.oneshot_product_num_warps,
-            num_stages=p.oneshot_product_num_stages, form=p.oneshot_product_form)
+            num_stages=p.oneshot_product_num_stages)
     if isinstance(y, Unreduced):
         from jaxmtp.pallas import allreduce_oneshot
 
@@ -164,7 +164,7 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
         return y
     dtype = a.dtype
     parts = y.parts if isinstance(y, SplitSum) else y[None]
-    if partials and _fused_reduce_applies(y, tp, backend):
+    if partials and _fused_reduce_applies(_rows(y), y.shape[-1], tp, backend):
         return Unreduced(parts, dtype, tp)
     if not reduce:
         return sum_parts(parts.astype(jnp.float32)).astype(dtype)
@@ -177,15 +177,15 @@ def output_product(a, w, transposed: bool, backend: Backend, *, swiglu: bool = F
     return SplitSum(total[None], dtype) if partials else total.astype(dtype)
 
 
-def _fused_reduce_applies(y, tp, backend: Backend) -> bool:
-    """Whether a block's output ``y`` (this rank's partial, [..., H] or a :class:`SplitSum`) goes unreduced to the
-    one-shot kernel that also adds and norms it: the one-shot mode with the Triton norm kernel (interpreted: the CPU
-    tests, with the one-shot kernels replaced by their references), rows and width it takes."""
+def _fused_reduce_applies(rows: int, width: int, tp, backend: Backend) -> bool:
+    """Whether a block's output (this rank's partial, ``rows`` rows of ``width``) goes unreduced to the one-shot
+    kernel that also adds and norms it: the one-shot mode with the Triton norm kernel (interpreted: the CPU tests,
+    with the one-shot kernels replaced by their references), rows and width it takes."""
     if tp.reduce != "oneshot" or not backend.policy.oneshot_fused or backend.norm not in (TRITON, TRITON_INTERPRET):
         return False
     from jaxmtp.pallas import allreduce_oneshot
 
-    return allreduce_oneshot.row_fusion_applies(_rows(y), y.shape[-1], tp.size)
+    return allreduce_oneshot.row_fusion_applies(rows, width, tp.size)
 
 
 def _product_fusion_applies(a, w_t, swiglu: bool, tp, backend: Backend) -> bool:
@@ -201,7 +201,7 @@ def _product_fusion_applies(a, w_t, swiglu: bool, tp, backend: Backend) -> bool:
     n, kdim = w_t.shape
     if not (a.shape[-1] >= 2 * kdim if swiglu else a.shape[-1] == kdim):
         return False
-    return (_fused_reduce_applies(jax.ShapeDtypeStruct((*a.shape[:-1], n), a.dtype), tp, backend)
+    return (_fused_reduce_applies(_rows(a), n, tp, backend)
             and oneshot_product.supports(_rows(a), kdim, n, tp.size, block_n=policy.oneshot_product_block_n,
                                          block_k=policy.oneshot_product_block_k))
 
@@ -215,7 +215,7 @@ def tp_sum(y, backend: Backend):
     if not tp.active or tp.fixed:
         return y
     y = dense(y)
-    if _fused_reduce_applies(y, tp, backend):
+    if _fused_reduce_applies(_rows(y), y.shape[-1], tp, backend):
         return Unreduced(y[None], y.dtype, tp)
     return _collectives.reduce_sum(y, tp)
 

@@ -101,14 +101,12 @@ class KernelPolicy:
     oneshot_parts: bool = False
     # ... and the row-parallel product itself in that launch (jaxmtp.pallas.oneshot_product; the block-output
     # weights stored [N, K], which an out_matmul kernel asks for) up to this many rows (0: never; at most 4), with
-    # its tiles: output columns per program, K per step, warps, pipeline stages, and how a program accumulates (2: a
-    # tile-wide accumulator, the fastest of the three forms alone on two H200s)
+    # its tiles: output columns per program, K per step, warps, pipeline stages
     oneshot_product_max_rows: int = 0
     oneshot_product_block_n: int = 8
     oneshot_product_block_k: int = 512
     oneshot_product_num_warps: int = 4
     oneshot_product_num_stages: int = 3
-    oneshot_product_form: int = 2
 
     # attention (jaxmtp.pallas.attention.decode_triton.launch_plan; the fused layer's launch)
     attention_prefill_min_rows: int = 256  # packed query rows (T * Hq / Hkv) from which the prefill tiles run
