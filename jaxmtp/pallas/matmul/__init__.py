@@ -252,8 +252,8 @@ def quantized_argmax(x, q, scale, *, implementation: str = "xla", policy: Kernel
 
 
 __all__ = ["MAX_ROWS", "argmax_from_partials", "argmax_partials_apply", "dequantize_fp8", "fp8_linear",
-           "fp8_linear_with_tail", "fp8_matmul_reference", "fp8_matmul_triton", "fp8_tail_applies", "gemv_matmul_triton", "is_fp8", "is_quantized",
-           "layer_gemv", "layer_gemv_applies", "layer_swiglu_applies", "linear", "matmul_reference", "output_linear",
-           "quantized_argmax", "quantized_argmax_partials", "quantized_linear", "quantized_matmul_reference",
-           "skinny_matmul_triton", "supports", "swiglu_reference", "w4a8_argmax_triton", "w4a8_matmul_reference",
-           "w4a8_matmul_triton"]
+           "fp8_linear_with_tail", "fp8_matmul_reference", "fp8_matmul_triton", "fp8_tail_applies",
+           "gemv_matmul_triton", "is_fp8", "is_quantized", "layer_gemv", "layer_gemv_applies", "layer_swiglu_applies",
+           "linear", "matmul_reference", "output_linear", "quantized_argmax", "quantized_argmax_partials",
+           "quantized_linear", "quantized_matmul_reference", "skinny_matmul_triton", "supports", "swiglu_reference",
+           "w4a8_argmax_triton", "w4a8_matmul_reference", "w4a8_matmul_triton"]
