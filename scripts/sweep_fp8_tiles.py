@@ -33,9 +33,10 @@ from jaxmtp.pallas.matmul.reference import FP8_DTYPE  # noqa: E402
 SHAPES = {"gate_up": (5120, 34816), "down": (17408, 5120), "in_proj": (5120, 16384), "out": (6144, 5120)}
 
 
-def fma_tiles(lanes=(1, 16), stages=(2,), bns=(4, 8, 16), bks=(512, 1024, 2048)):
-    for bn, bk, warps, lane, stage in itertools.product(bns, bks, (4, 8), lanes, stages):
-        yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=stage, splits=1, lanes=lane)
+def fma_tiles(lanes=(1, 16), stages=(2,), bns=(4, 8, 16), bks=(512, 1024, 2048), splits_=(1,), warps_=(4, 8)):
+    for bn, bk, warps, lane, stage, splits in itertools.product(bns, bks, warps_, lanes, stages, splits_):
+        yield dict(fma_max_rows=4, block_n=bn, block_k=bk, num_warps=warps, num_stages=stage, splits=splits,
+                   lanes=lane)
 
 
 def dot_tiles(m: int, stages=(3,), warps=(4,), bns=(32, 64, 128), bks=(128, 256, 512), splits_=(1, 2, 4, 8)):
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fma-stages", default="2", help="multiply-add path: pipeline stages to try, e.g. 2,3,4")
     ap.add_argument("--fma-bn", default="4,8,16", help="multiply-add path: W rows per program (BN) to try")
     ap.add_argument("--fma-bk", default="512,1024,2048", help="multiply-add path: K step widths (BK) to try")
+    ap.add_argument("--fma-splits", default="1", help="multiply-add path: K splits to try")
+    ap.add_argument("--fma-warps", default="4,8", help="multiply-add path: warps per program to try")
     ap.add_argument("--dot-stages", default="3", help="tensor-core path: pipeline stages to try, e.g. 2,3,4")
     ap.add_argument("--dot-warps", default="4", help="tensor-core path: warps per program to try, e.g. 4,8")
     ap.add_argument("--dot-bn", default="32,64,128", help="tensor-core path: W tile rows (BN) to try")
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
         default = plan(m, k, n)
         entry = {"rows": m, "K": k, "N": n, "name": name, "weight_bytes": nbytes, "default_plan": default._asdict(),
                  "tiles": []}
-        tiles = (list(fma_tiles(ints(args.lanes), ints(args.fma_stages), ints(args.fma_bn), ints(args.fma_bk)))
+        tiles = (list(fma_tiles(ints(args.lanes), ints(args.fma_stages), ints(args.fma_bn), ints(args.fma_bk),
+                                ints(args.fma_splits), ints(args.fma_warps)))
                  if m <= 4 and args.paths != "dots" else [])
         if m > 4 or (args.paths != "rows" and m > 1):
             tiles += list(dot_tiles(m, ints(args.dot_stages), ints(args.dot_warps), ints(args.dot_bn),
