@@ -2,7 +2,8 @@
 
 * Models: :func:`tiny_config` (a released shape's layout at width 64), :func:`random_model` (random weights in a
   params layout), :func:`variant_model` (the same weights under a backend / kernel-policy override).
-* Engines with every slot busy: :func:`synthetic_engine`, :func:`fill_synthetic`, :func:`timed_loops`.
+* Engines with every slot busy: :func:`synthetic_engine`, :func:`fill_synthetic`, :func:`timed_loops`; one prompt's
+  prefill: :func:`prefill_engine`, :func:`timed_prefill`.
 * Timing: :func:`median_time`, :func:`alternating_step_ms` (variants timed in alternating rounds of one process),
   :class:`CompileClock`, :func:`device_seconds` (kernel time from a profiler trace) and the trace readers
   (:func:`read_trace`, :func:`is_device_stream`, :func:`covered_time`, :func:`hlo_sources`).
@@ -38,6 +39,7 @@ from jaxmtp.model import init_params, param_shapes
 from jaxmtp.pallas import override_backend, resolve_backend
 from jaxmtp.param_layout import (has_quantized_mtp, quantize_mtp, quantizes_mtp, serving_layout, set_output_layout,
                                  transposes_outputs, weight_bytes)
+from jaxmtp.sampling import SamplingParams
 
 # Mean acceptance lengths (tokens per verify step) published for Qwen3.5's MTP head: k = 1, 2, 3; k = 4 extrapolated
 # with the per-position rate 0.7 that k = 3's 2.9 implies (1 + .7 + .49 + .343 + .24).
@@ -173,6 +175,23 @@ def synthetic_engine(model: Model, batch: int, k: int, context: int, room: int, 
                  steps_per_sync=steps_per_sync, check_memory=False)
     fill_synthetic(eng, context, batch * 10 + k)
     return eng
+
+
+def prefill_engine(model: Model, prompt_len: int, chunk: int, **engine_kw) -> Engine:
+    """One slot with room for a ``prompt_len``-token prompt, prefilled ``chunk`` tokens per call, k = 0 (``engine_kw``:
+    more :class:`jaxmtp.engine.Engine` arguments)."""
+    return Engine(model, num_slots=1, max_context=prompt_len + 8, num_draft_tokens=0, prefill_chunk=chunk,
+                  steps_per_sync=1, check_memory=False, **engine_kw)
+
+
+def timed_prefill(eng: Engine, prompt_len: int, rng) -> float:
+    """Seconds to prefill one random prompt of ``prompt_len`` tokens (and emit its first token)."""
+    eng.add_request(rng.integers(0, eng.cfg.vocab_size - 1, prompt_len).tolist(),
+                    SamplingParams(max_new_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    return time.perf_counter() - t0
 
 
 def timed_loops(eng: Engine, params, n: int, loop=None) -> list[tuple[float, dict]]:

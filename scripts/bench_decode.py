@@ -29,9 +29,9 @@ import numpy as np
 
 from jaxmtp import shapes
 from jaxmtp.benchmarking import (LAYOUTS, PUBLISHED_AL, CompileClock, alternating_step_ms, draft_head_bytes,
-                                 fill_synthetic, fp8_scheme, hbm_bandwidth, mtp_bytes, random_model, run_metadata,
-                                 speedup_bound, step_bytes, synthetic_engine, timed_loops, tiny_config,
-                                 variant_model, write_json)
+                                 fill_synthetic, fp8_scheme, hbm_bandwidth, mtp_bytes, prefill_engine, random_model,
+                                 run_metadata, speedup_bound, step_bytes, synthetic_engine, timed_loops, timed_prefill,
+                                 tiny_config, variant_model, write_json)
 from jaxmtp.engine import Engine
 from jaxmtp.engine.memory import memory_plan
 from jaxmtp.mtp import describe_draft_head
@@ -40,21 +40,6 @@ from jaxmtp.param_layout import has_quantized_mtp
 from jaxmtp.sampling import SamplingParams
 
 COMPILE = CompileClock()
-
-
-def prefill_engine(model, prompt_len: int, chunk: int) -> Engine:
-    return Engine(model, num_slots=1, max_context=prompt_len + 8, num_draft_tokens=0, prefill_chunk=chunk,
-                  steps_per_sync=1, check_memory=False)
-
-
-def timed_prefill(eng: Engine, prompt_len: int, rng) -> float:
-    """Seconds to prefill one random prompt of ``prompt_len`` tokens (and emit its first token)."""
-    eng.add_request(rng.integers(0, eng.cfg.vocab_size - 1, prompt_len).tolist(),
-                    SamplingParams(max_new_tokens=1, ignore_eos=True))
-    t0 = time.perf_counter()
-    while eng.has_work():
-        eng.step()
-    return time.perf_counter() - t0
 
 
 def bench_prefill(model, prompt_len: int, chunk: int) -> dict:
@@ -68,12 +53,28 @@ def bench_prefill(model, prompt_len: int, chunk: int) -> dict:
             "tokens_per_s": prompt_len / out["warm"]["seconds"], "compile_s": out["cold"]["compile_s"]}
 
 
+ENGINE_FIELDS = ("mid_prompt_prefill",)  # A/B items that set an Engine argument (0 / 1), not the backend
+
+
+def split_engine_fields(spec: str) -> tuple[str, dict]:
+    """``spec`` without its :data:`ENGINE_FIELDS` items, and those as Engine keyword arguments."""
+    rest, kw = [], {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.strip().partition("=")
+        if name in ENGINE_FIELDS:
+            kw[name] = bool(int(value))
+        else:
+            rest.append(item)
+    return ",".join(rest), kw
+
+
 def bench_prefill_ab(model, prompt_len: int, chunk: int, variants: list[str], rounds: int) -> dict:
-    """Prefill under several overrides (:func:`jaxmtp.benchmarking.variant_model`) in one process, alternating (as
-    :func:`bench_ab` for steps)."""
+    """Prefill under several overrides (:func:`jaxmtp.benchmarking.variant_model`, and the Engine arguments of
+    :data:`ENGINE_FIELDS`) in one process, alternating (as :func:`bench_ab` for steps)."""
     engines = []
     for spec in variants:
-        eng = prefill_engine(variant_model(model, spec), prompt_len, chunk)
+        backend_spec, engine_kw = split_engine_fields(spec)
+        eng = prefill_engine(variant_model(model, backend_spec), prompt_len, chunk, **engine_kw)
         timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile
         engines.append(eng)
     times: list[list[float]] = [[] for _ in variants]
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
                     "(jaxmtp.pallas.override_backend), e.g. gdn_mixer=xla,norm=triton")
     ap.add_argument("--ab", default="", help="overrides to compare in one process, '|'-separated (an empty entry = "
                     "the default), each a --override spec of backend and kernel-policy fields, e.g. '|norm=triton' "
-                    "or '|output_split_max_rows=1': each grid point is timed in alternating rounds")
+                    "or '|output_split_max_rows=1': each grid point is timed in alternating rounds; prefill variants may also "
+                    "set mid_prompt_prefill=0/1 (an Engine argument)")
     ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--ratio", default="", help="batch:k pairs, e.g. 1:3: the k step against the plain step in "
                     "alternating rounds in one process (--ratio-rounds), per-round ratios and their median")

@@ -1,12 +1,16 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes: kernel counts, GPU busy time and the top ops, from a JAX profiler trace.
+"""Where a decode step's (or a prompt's prefill) time goes: kernel counts, GPU busy time and the top ops, from a JAX
+profiler trace.
 
     python scripts/profile_step.py --model qwen3.5-4b --grid '1:0,3' --out prof.json [--quantization fp8]
+    python scripts/profile_step.py --model qwen3.5-27b --prefill 8192 --prefill-chunk 1024 --out prof.json
 
 Builds a random bf16 model of a released Qwen3.5 shape, fills every slot with a request ``--context`` tokens deep
 (``jaxmtp.benchmarking.synthetic_engine``), warms the engine's jitted ``steps_per_sync``-step loop, then traces
 ``--syncs`` calls with ``jax.profiler`` and reads the trace back (``*.trace.json.gz``; no TensorBoard needed).
-Reported per step: wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is
+With ``--prefill``, one prompt of that many random tokens is
+prefilled instead (after an untraced prompt that compiles and one that is timed), and "per step" reads "per prefill
+call" (one chunk). Reported per step: wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is
 the idle share: launch gaps, host round trips), and the ops with the most device time. Run it with different
 ``XLA_FLAGS`` in separate processes to compare compiler settings. JSON out; a short summary prints last.
 """
@@ -29,8 +33,8 @@ import numpy as np  # noqa: E402
 
 from jaxmtp import shapes  # noqa: E402
 from jaxmtp.benchmarking import (LAYOUTS, covered_time, draft_head_bytes, fp8_scheme, hlo_sources,  # noqa: E402
-                                 is_device_stream, mtp_bytes, random_model, read_trace, run_metadata, step_bytes,
-                                 synthetic_engine, timed_loops, tiny_config, write_json)
+                                 is_device_stream, mtp_bytes, prefill_engine, random_model, read_trace, run_metadata,
+                                 step_bytes, synthetic_engine, timed_loops, timed_prefill, tiny_config, write_json)
 from jaxmtp.pallas import override_backend, resolve_backend  # noqa: E402
 
 
@@ -53,6 +57,10 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int, sources: dict |
         kind = re.sub(r"(\.\d+)+(\.clone)?$", "", name)
         by_kind[kind][0] += n
         by_kind[kind][1] += us
+    by_kernel = collections.defaultdict(lambda: [0, 0.0])  # the device kernel's own name (cuBLAS, Triton, ...)
+    for e in kernels:
+        by_kernel[e["name"][:160]][0] += 1
+        by_kernel[e["name"][:160]][1] += e["dur"]
     kinds = sorted(({"kind": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps}
                     for k, v in by_kind.items()), key=lambda r: -r["us_per_step"])
     ops = sorted(({"op": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps} for k, v in by_op.items()),
@@ -85,6 +93,8 @@ def summarise(groups: dict, steps: int, wall_s: float, top: int, sources: dict |
         "kernel_time_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
         "top_ops": ops[:top],
         "by_kind": kinds[:top],
+        "by_kernel": sorted(({"kernel": k, "calls_per_step": v[0] / steps, "us_per_step": v[1] / steps}
+                             for k, v in by_kernel.items()), key=lambda r: -r["us_per_step"])[:top],
         "threads": sorted(threads, key=lambda r: -r["total_us"])[:40],
         "host_ops": host_ops[:top],
         "idle_gaps": gaps[:top],
@@ -123,6 +133,25 @@ def profile(model, batch: int, k: int, context: int, syncs: int, steps_per_sync:
     return res
 
 
+def profile_prefill(model, prompt_len: int, chunk: int, top: int) -> dict:
+    """One ``prompt_len``-token prompt prefilled in ``chunk``-token calls, traced (after one that compiles and one
+    timed untraced); the summary's steps are the prefill calls."""
+    eng = prefill_engine(model, prompt_len, chunk)
+    timed_prefill(eng, prompt_len, np.random.default_rng(0))  # compile and warm
+    untraced = timed_prefill(eng, prompt_len, np.random.default_rng(1))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        wall = timed_prefill(eng, prompt_len, np.random.default_rng(2))
+        jax.profiler.stop_trace()
+        groups = read_trace(d)
+    calls = -(-prompt_len // chunk)
+    res = summarise(groups, calls, wall, top)
+    res.update(prompt_len=prompt_len, chunk=chunk, calls=calls, untraced_s=untraced,
+               tokens_per_s=prompt_len / untraced)
+    del eng
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-4b")
@@ -143,6 +172,8 @@ def main(argv=None) -> int:
                     "with the sampling conditional (what the engine runs while a busy slot samples), or both")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="draw the linears the official FP8 checkpoints quantise as block FP8 (jaxmtp.fp8)")
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead of --grid")
+    ap.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill call (with --prefill)")
     ap.add_argument("--hlo-dir", default=None, help="also write each step loop's optimised HLO text here")
     args = ap.parse_args(argv)
 
@@ -152,6 +183,16 @@ def main(argv=None) -> int:
     result = {**run_metadata(), "model": args.model, "backend": str(model.backend), "layout": args.layout,
               "quantization": args.quantization,
               "runs": []}
+    if args.prefill:
+        r = profile_prefill(model, args.prefill, args.prefill_chunk, args.top)
+        result["prefill"] = r
+        write_json(args.out, result)
+        print(f"{args.model} prefill {args.prefill} tokens in {args.prefill_chunk}-token calls: "
+              f"{r['tokens_per_s']:.0f} tokens/s untraced; per call {r['wall_ms_per_step']:.1f} ms traced, "
+              f"{r['kernels_per_step']:.0f} kernels, device busy {r['device_busy_ms_per_step']:.1f} ms", flush=True)
+        for op in r["by_kind"][:25]:
+            print(f"   {op['us_per_step']:9.1f} us  x{op['calls_per_step']:5.1f}  {op['kind'][:110]}")
+        return 0
     for part in filter(None, args.grid.split(";")):
         b, ks = part.split(":")
         for k, sampling in ((k, s) for k in ks.split(",") for s in args.sampling.split(",")):
