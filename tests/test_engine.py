@@ -416,3 +416,35 @@ def test_slot_buckets_give_the_same_tokens_as_full_steps(models, rng):
             assert eng.trace_counts["move"] == 1
     assert outs[True] == outs[False]
     assert [len(t) for t in outs[True]] == [p.max_new_tokens for p in params]
+
+
+@pytest.mark.parametrize("kind", ["dense", pytest.param("next", marks=pytest.mark.slow)])
+def test_mid_prompt_prefill_leaves_the_same_state_and_tokens(models, rng, kind):
+    """Prefill calls in which no prompt ends, run without the LM head and the sampling (``mid_prompt_prefill``, the
+    GPU default), leave every slot's state bit for bit as the full calls do (the target's and the MTP layer's
+    carries, which greedy tokens alone would not show) and give the same greedy and seeded-sampled tokens, one and
+    two prompts per call; after warmup() the compiled shapes serve them with no trace."""
+    prompts = mixed_prompts(rng, (37, 50, 5, 21))  # 16-token chunks: calls with no final row, with 1 and 2 rows
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=t, seed=i)
+              for i, (n, t) in enumerate([(1, 0.0), (1, 0.8), (1, 0.0), (1, 0.0)])]
+    states, outs = {}, {}
+    for mid in (False, True):
+        eng = Engine(models[kind], num_draft_tokens=3, mid_prompt_prefill=mid, **{**SETTINGS, "max_prefill_batch": 2})
+        outs[mid] = [t for t, _ in run(eng, prompts, params)]  # one token each: the slots keep their prefill
+        states[mid] = jax.device_get(eng.state)
+        assert (eng.trace_counts["prefill_mid"] > 0) == mid
+        assert ((1, 16) in {k[1:] for k in eng.executables if k[0] == "prefill_mid"}) == mid
+    assert outs[True] == outs[False]
+    leaves = jax.tree_util.tree_leaves_with_path(states[False])
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(states[True])):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    # warmed up: the run traces nothing more; longer outputs equal those of the engine without it
+    eng = Engine(models[kind], num_draft_tokens=3, mid_prompt_prefill=True, **SETTINGS)
+    assert eng.keys_for_request(37, False) == [("prefill_mid", 1, 16), ("prefill", 1, 16), ("step", 4, False)]
+    eng.warmup(keys=eng.keys_for_request(37, False) + eng.keys_for_request(50, True))
+    traced = dict(eng.trace_counts)
+    long_params = [dataclasses.replace(p, max_new_tokens=12) for p in params]
+    got = [t for t, _ in run(eng, prompts[:2], long_params[:2])]
+    assert dict(eng.trace_counts) == traced, (traced, eng.trace_counts)
+    ref = Engine(models[kind], num_draft_tokens=3, mid_prompt_prefill=False, **SETTINGS)
+    assert got == [t for t, _ in run(ref, prompts[:2], long_params[:2])]

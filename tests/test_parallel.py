@@ -40,14 +40,16 @@ def _load(path, tp=1, reduce="psum"):
     return jaxmtp.load(path, backend="xla", progress=False, tensor_parallel_size=tp, tensor_parallel_reduce=reduce)
 
 
-def _run(model, prompts, k, params, state=True, prefill_slots=None, widths=None):
+def _run(model, prompts, k, params, state=True, prefill_slots=None, widths=None, **engine_kw):
     """Every prompt through one engine; returns (token ids per prompt, the engine's state on the host or None).
     ``prefill_slots``: a list that receives each prefill call's slot ids; ``widths``: each device loop's slot
     bucket."""
-    eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16)
+    eng = Engine(model, num_slots=4, max_context=64, num_draft_tokens=k, steps_per_sync=4, prefill_chunk=16,
+                 **engine_kw)
     if prefill_slots is not None:
-        prefill = eng._prefill
-        eng._prefill = lambda *a: (prefill_slots.append(np.asarray(a[2])), prefill(*a))[1]
+        for name in ("_prefill", "_prefill_mid"):
+            prefill = getattr(eng, name)
+            setattr(eng, name, lambda *a, f=prefill: (prefill_slots.append(np.asarray(a[2])), f(*a))[1])
     if widths is not None:
         pack = eng._pack_slots
         eng._pack_slots = lambda: (w := pack(), widths.append(w))[0]
@@ -514,6 +516,16 @@ def test_data_parallel_replicas_match_one_device(wide, kind, tp, k, rng):
     got, state = _run(m, prompts, k, _params(4), prefill_slots=calls)
     assert got == want
     assert calls and all(c.size == 4 for c in calls), [c.tolist() for c in calls]  # 2 rows per replica, not 4
+    # calls where no prompt ends (prompts of 3-4 chunks) without the LM head and sampling (the GPU default): one
+    # device's tokens, and the state of the replicas' full calls
+    long = [rng.integers(0, 128, n).tolist() for n in (40, 45, 36, 50)]
+    mids = []
+    got_mid, state_mid = _run(m, long, k, _params(4), prefill_slots=mids, mid_prompt_prefill=True)
+    assert got_mid == _run(one, long, k, _params(4), state=False)[0]
+    assert mids[0].size == 4 and all(s < 4 for s in mids[0])  # all four prompts' first chunk
+    unseeded = ("seed_lo", "seed_hi")  # an unseeded request draws its seed at admission
+    jax.tree.map(np.testing.assert_array_equal, state_mid.replace(**{f: None for f in unseeded}),
+                 _run(m, long, k, _params(4))[1].replace(**{f: None for f in unseeded}))
     for c in calls:
         for d, block in enumerate(c.reshape(2, 2)):
             assert all(s // 2 == d for s in block if s < 4), c.tolist()

@@ -30,7 +30,8 @@ from jaxmtp.engine import prefix_cache as _prefix
 from jaxmtp.engine import steps
 from jaxmtp.engine import warmup as _warmup
 from jaxmtp.engine.memory import EngineConfigError, check_fits, device_memory_bytes, memory_plan
-from jaxmtp.engine.policy import default_max_prefill_tokens, default_num_draft_tokens, default_prefill_chunk
+from jaxmtp.engine.policy import (default_max_prefill_tokens, default_mid_prompt_prefill, default_num_draft_tokens,
+                                  default_prefill_chunk)
 from jaxmtp.pallas.backend import platform
 from jaxmtp.param_layout import weight_bytes
 from jaxmtp.parallel import DP, data_parallel_prefill, device_bytes, state_specs
@@ -191,13 +192,17 @@ class Engine:
             resumes after it with the same tokens (``RequestOutput.num_cached_tokens``).
         prefix_cache_granularity: G, the cached prefixes' unit in tokens (a power of two >= 16; default 256). A
             prompt's chunks end at the boundaries it publishes, so G and ``prefill_chunk`` are independent.
+        mid_prompt_prefill: prefill calls in which no prompt ends run a function without the LM head and the first
+            token's sampling (:func:`jaxmtp.engine.steps.prefill_chunk` with ``ends_prompts=False``; same state), so
+            that the host queues a long prompt's next chunk while the device runs this one; None:
+            :func:`jaxmtp.engine.policy.default_mid_prompt_prefill` (on GPUs).
     """
 
     def __init__(self, model, *, num_slots: int = 8, max_context: int | None = None,
                  num_draft_tokens: int | None = None, prefill_chunk: int | None = None, steps_per_sync: int = 8,
                  max_prefill_batch: int | None = None, check_memory: bool = True, oracle_probs=None,
                  slot_buckets: bool = True, prefix_cache_memory=0, prefix_cache_granularity: int | None = None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, mid_prompt_prefill: bool | None = None):
         cfg = model.config
         if num_draft_tokens is None:
             num_draft_tokens = default_num_draft_tokens(cfg, num_slots, moe_kernel=model.backend.moe != "xla")
@@ -240,6 +245,8 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.steps_per_sync = steps_per_sync
         self.max_prefill_batch = max_prefill_batch or min(num_slots, 8, max_prefill_tokens // 16)
+        self.mid_prompt_prefill = (default_mid_prompt_prefill(platform()) if mid_prompt_prefill is None
+                                   else bool(mid_prompt_prefill))
         layout = model.layout  # tensor parallelism (jaxmtp.parallel): the device functions run one rank's shapes
         run_cfg = model.run_config
         self.data_parallel = dp = layout.dp if layout is not None else 1
@@ -295,9 +302,10 @@ class Engine:
         if layout is not None:  # the model's functions run inside the mesh's shard_map
             s_spec, rep, per_slot = state_specs(self.state), P(), P(None, DP)  # step outputs [N, slots, ...]
 
-        def prefill_fn(name, prompt_logprobs):  # outputs: state, then 4 (5 with prompt log-probabilities) arrays
+        def prefill_fn(name, prompt_logprobs, ends_prompts=True):  # outputs: state, then 4 (5 with prompt
+            # log-probabilities) arrays
             fn = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
-                                   prompt_logprobs=prompt_logprobs)
+                                   prompt_logprobs=prompt_logprobs, ends_prompts=ends_prompts)
             if layout is not None:
                 rows = rep
                 if dp > 1:  # each replica prefills its own block of rows
@@ -307,6 +315,7 @@ class Engine:
             return jax.jit(counted(name, fn), donate_argnums=1)
 
         self._prefill = prefill_fn("prefill", False)
+        self._prefill_mid = prefill_fn("prefill_mid", False, ends_prompts=False)  # calls where no prompt ends
         # requests with prompt_logprobs: one row at a time, compiled at the first such request (not in the warm-up)
         self._prefill_lp = prefill_fn("prefill+prompt_logprobs", True)
         # Slot-count buckets: with only low slots busy (slots are taken lowest first), a step runs over the smallest
@@ -819,7 +828,8 @@ class Engine:
         rows, chunk = self._prefill_shape(max(collections.Counter(replica).values()),
                                           max(min(self.prefill_chunk, limit[id(r)] - r.prefilled) for r in group))
         # the executable compiled (or loaded) for this shape, else the jitted function (traced at this call)
-        prefill = self.executables[_warmup.prefill_key(rows, chunk)].compiled or self._prefill
+        general = self.executables[_warmup.prefill_key(rows, chunk)]
+        prefill = general.compiled or self._prefill
         row_of, taken = [], collections.Counter()
         for d in replica:
             row_of.append(d * rows + taken[d])
@@ -850,6 +860,12 @@ class Engine:
             self.prefilled_tokens += n
             ends.append(start + n)
         args = (self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
+        mid = self.executables.get(_warmup.prefill_mid_key(rows // self.data_parallel, chunk))
+        if mid is not None and not final.any() and (mid.compiled is not None or (general.compiled is None
+                                                                                 and not self._lazy)):
+            # no prompt ends here: the call without the head (compiled, or traced now where the general shape
+            # would be too: never a compile where a compiled substitute exists)
+            prefill = mid.compiled or self._prefill_mid
         if group[0].params.prompt_logprobs is not None:  # a group of one (_prefill_once)
             self.state, first, finished, reason, logprobs, prompt_lps = self._prefill_lp(*args)
             self._add_prompt_logprobs(group[0], steps.unpack_logprobs(np.asarray(prompt_lps)), ends[0], row_of[0])
@@ -949,6 +965,12 @@ class Engine:
                                                                                          chunk, self.num_slots),
                                              identity=(self._identity, key))
                 if chunk >= self._chunk_bucket(self.prefill_chunk, rows):
+                    if self.mid_prompt_prefill:  # a prompt's chunks before its last are whole ones: this shape
+                        key = _warmup.prefill_mid_key(rows, chunk)
+                        ex[key] = _warmup.Executable(
+                            key, self._prefill_mid, _warmup.prefill_args(rows * self.data_parallel, chunk,
+                                                                         self.num_slots),
+                            identity=(self._identity, key))
                     break
                 chunk = self._chunk_bucket(chunk + 1, rows)
             if rows >= self.max_prefill_batch:
@@ -1153,7 +1175,7 @@ class Engine:
         an H200 at 4B shapes, 8 slots x 8192 tokens (docs/engine.md, "Prefill"), the estimate is 4-23% above XLA's
         figure for every shape of several rows (one row of a shorter chunk it underestimates, but the longer chunk
         measured bounds it). Raises EngineConfigError if the plan no longer fits the device."""
-        shapes = [key for key in self.executables if key[0] == "prefill"]
+        shapes = [key for key in self.executables if key[0] in ("prefill", "prefill_mid")]
         temps = {key: _warmup.temp_bytes(self.executables[key].compiled) for key in shapes
                  if self.executables[key].compiled is not None}
         temps = {key: t for key, t in temps.items() if t is not None}
@@ -1211,7 +1233,8 @@ class Engine:
         keys, left = [], prompt_len
         while left > 0:
             chunk = self._chunk_bucket(min(self.prefill_chunk, left))
-            keys.append(_warmup.prefill_key(1, chunk))
+            mid = _warmup.prefill_mid_key(1, chunk)
+            keys.append(mid if left > chunk and mid in self.executables else _warmup.prefill_key(1, chunk))
             left -= min(chunk, left)
         keys.append(_warmup.step_key(self.slot_buckets[0], sampling))
         return list(dict.fromkeys(keys))

@@ -48,6 +48,15 @@ def default_prefill_chunk(platform: str) -> int:
     return PREFILL_CHUNK.get(platform, ACCELERATOR_PREFILL_CHUNK)
 
 
+def default_mid_prompt_prefill(platform: str) -> bool:
+    """Whether prefill calls in which no prompt ends run without the LM head and the sampling (``Engine``'s
+    ``mid_prompt_prefill``): on GPUs, where the sampling conditional's predicate holds the host until the device has
+    run the chunk, so that it queued the next chunk only after it, with the GPU idle meanwhile (27B, 1024-token
+    chunks on an H100: about 5 ms of each 100 ms chunk, docs/performance.md, "Prefill"). TPUs run conditionals on
+    the device and the CPU runs each call to its end: not there (one compiled shape fewer per row count)."""
+    return platform == "gpu"
+
+
 def default_max_prefill_tokens(prefill_chunk: int) -> int:
     """Tokens of one prefill call (rows x chunk): :data:`MAX_PREFILL_TOKENS`, or one whole chunk if larger."""
     return max(MAX_PREFILL_TOKENS, prefill_chunk)

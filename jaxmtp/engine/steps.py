@@ -287,7 +287,7 @@ def _prompt_logprobs(params, hidden, next_tokens, backend: Backend):
 
 
 def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_tokens, final, *, cfg: Qwen35Config,
-                  k: int, backend: Backend, prompt_logprobs: bool = False):
+                  k: int, backend: Backend, prompt_logprobs: bool = False, ends_prompts: bool = True):
     """Run one prompt chunk for rows ``slots`` [Bp] (ids >= num_slots are dummies).
 
     tokens/positions: [Bp, C] right-padded (positions -1 on padding); next_tokens: [Bp, C], the token after each
@@ -296,9 +296,23 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     slot becomes active. Returns (state, first_token [Bp], finished [Bp], reason [Bp], the first token's packed
     log-probabilities [Bp, LOGPROB_COLUMNS]); with ``prompt_logprobs`` also those of ``next_tokens`` after every
     position [Bp, C * LOGPROB_COLUMNS] (C a multiple of PROMPT_LOGPROB_ROWS, or less than it).
+
+    ``ends_prompts=False``: a call in which no row is final (the host knows; ``final`` is then ignored) runs the
+    carries' part alone, the same state as the full call: no LM head, no sampling, no drafts, and so no sampling
+    conditional, whose predicate would hold the host (on GPUs) until the chunk is done instead of letting it queue
+    the next one. The other outputs are zeros.
     """
     carry = _take(state.carry, slots)
     _, hidden, carry = forward(params, tokens, positions, carry, cfg=cfg, logits="none", backend=backend)
+    if not ends_prompts and not prompt_logprobs:
+        new_state = state.replace(carry=_put(state.carry, slots, carry))
+        if k > 0:  # the MTP layer's keys and values of the chunk (its input: each position's next prompt token)
+            last_idx = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+            _, _, mtp = mtp_forward(params, next_tokens, hidden, positions, _take(state.mtp_carry, slots), cfg=cfg,
+                                    logits="none", backend=backend, out_rows=last_idx)
+            new_state = new_state.replace(mtp_carry=_put(state.mtp_carry, slots, mtp))
+        zeros = jnp.zeros(slots.shape, jnp.int32)
+        return new_state, zeros, zeros > 0, zeros, jnp.zeros((slots.shape[0], LOGPROB_COLUMNS), jnp.int32)
     prompt_lps = _prompt_logprobs(params, hidden, next_tokens, backend) if prompt_logprobs else None
     n_valid = jnp.sum(positions >= 0, axis=1)
     last_idx = jnp.maximum(n_valid - 1, 0)

@@ -4,6 +4,8 @@ An engine's device functions come in shapes (keys):
 
 * ``("prefill", rows, chunk)``: a prompt chunk for ``rows`` prompts (rows 1, 2, 4 .. max_prefill_batch; chunk
   16, 64, 256 .. prefill_chunk);
+* ``("prefill_mid", rows, chunk)``: where the engine has them (``Engine.mid_prompt_prefill``), the same for calls in
+  which no prompt ends (no LM head, no sampling), at each row count's longest chunk;
 * ``("step", width, mode)``: the loop of ``steps_per_sync`` speculative steps over slots ``0 .. width-1`` (each
   slot bucket), greedy only, with sampling, or with :data:`FEATURES` (logits processing and log-probabilities).
 
@@ -39,6 +41,11 @@ def prefill_key(rows: int, chunk: int) -> tuple:
     return ("prefill", rows, chunk)
 
 
+def prefill_mid_key(rows: int, chunk: int) -> tuple:
+    """A prefill call in which no prompt ends (:func:`jaxmtp.engine.steps.prefill_chunk`, ``ends_prompts=False``)."""
+    return ("prefill_mid", rows, chunk)
+
+
 FEATURES = "features"  # a step loop's mode beside False (greedy only) and True (sampling): logits processing
 
 
@@ -53,8 +60,8 @@ def _mode_rank(mode) -> int:
 
 
 def key_name(key: tuple) -> str:
-    if key[0] == "prefill":
-        return f"prefill[{key[1]}x{key[2]}]"
+    if key[0] in ("prefill", "prefill_mid"):
+        return f"{key[0]}[{key[1]}x{key[2]}]"
     return f"step[{key[1]}]" + {0: "", 1: "+sampling", 2: "+features"}[_mode_rank(key[2])]
 
 
@@ -117,7 +124,7 @@ def background_order(keys, slot_buckets: list[int]) -> list[tuple]:
         if key[0] == "step":
             mode = _mode_rank(key[2])
             return (len(slot_buckets) if mode == 2 else 0, slot_buckets.index(key[1]), 0, mode)
-        return (0, key[1].bit_length() - 1, 1, key[2])
+        return (0, key[1].bit_length() - 1, 1 + (key[0] == "prefill_mid"), key[2])
 
     return sorted(keys, key=rank)
 
