@@ -156,6 +156,31 @@ def test_long_prompts_prefilled_by_the_mosaic_kernel_decode_as_with_the_triton_k
         assert sum(d is None for d in first) >= 1, (k, first)
 
 
+def test_mid_prompt_prefill_decodes_as_full_calls():
+    """A prompt of three 1024-token chunks on the GPU's default path, whose first two calls run the mid-prompt program
+    (no LM head, no sampling): the shipped model's greedy tokens, plain and k = 3, equal those of full calls except
+    at near-tied logits (the two programs may pick different cuBLAS kernels, so bf16 sums can differ)."""
+    import jaxmtp
+    from jaxmtp.engine import Engine
+
+    model = jaxmtp.load(progress=False)
+    ids = model.tokenizer.encode("".join(PROMPTS) * 400).ids[:2600]
+    assert len(ids) == 2600
+    tokens = 24
+    common = dict(num_slots=1, max_context=2600 + tokens + 9, check_memory=False)
+    want, _ = checks.greedy_outputs(Engine(model, num_draft_tokens=0, mid_prompt_prefill=False, **common), [ids],
+                                    tokens)
+    for k in (0, 3):
+        eng = Engine(model, num_draft_tokens=k, **common)
+        assert eng.mid_prompt_prefill and eng.prefill_chunk == 1024
+        got, _ = checks.greedy_outputs(eng, [ids], tokens)
+        assert eng.trace_counts["prefill_mid"] == 1 and eng.trace_counts["prefill"] == 1, eng.trace_counts
+        first = next((i for i, (x, y) in enumerate(zip(want[0], got[0])) if x != y), None)
+        if first is not None:
+            gap = checks.top2_gaps(model, [list(ids) + want[0][:first]])[0]
+            assert gap < 0.05, (k, first, gap)
+
+
 def test_fp8_kernels_match_float64_at_released_shapes():
     """The block-FP8 products (27B gate/up and down shapes; decode, verify, batch and prefill-sized row counts) and
     routed experts (35B-A3B shapes) on the GPU kernels against float64 products of the dequantised weights."""
