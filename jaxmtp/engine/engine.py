@@ -302,8 +302,8 @@ class Engine:
         if layout is not None:  # the model's functions run inside the mesh's shard_map
             s_spec, rep, per_slot = state_specs(self.state), P(), P(None, DP)  # step outputs [N, slots, ...]
 
-        def prefill_fn(name, prompt_logprobs, ends_prompts=True):  # outputs: state, then 4 (5 with prompt
-            # log-probabilities) arrays
+        # outputs: state, then 4 (5 with prompt log-probabilities) arrays
+        def prefill_fn(name, prompt_logprobs, ends_prompts=True):
             fn = functools.partial(steps.prefill_chunk, cfg=run_cfg, k=self.k, backend=backend,
                                    prompt_logprobs=prompt_logprobs, ends_prompts=ends_prompts)
             if layout is not None:
@@ -1228,8 +1228,9 @@ class Engine:
 
     def keys_for_request(self, prompt_len: int, sampling) -> list[tuple]:
         """The executables (``warmup(keys=...)``) one request runs alone in the engine: its prompt's one-row
-        prefill chunks and the step loop of the narrowest slot bucket (``sampling``: a loop mode, False for greedy
-        only, True with sampling, :data:`jaxmtp.engine.warmup.FEATURES` with logits processing)."""
+        prefill chunks (the mid-prompt program for those before the last, where the engine has it) and the step loop
+        of the narrowest slot bucket (``sampling``: a loop mode, False for greedy only, True with sampling,
+        :data:`jaxmtp.engine.warmup.FEATURES` with logits processing)."""
         keys, left = [], prompt_len
         while left > 0:
             chunk = self._chunk_bucket(min(self.prefill_chunk, left))
