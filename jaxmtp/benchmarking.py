@@ -5,6 +5,7 @@
 * Engines with every slot busy: :func:`synthetic_engine`, :func:`fill_synthetic`, :func:`timed_loops`; one prompt's
   prefill: :func:`prefill_engine`, :func:`timed_prefill`.
 * Timing: :func:`median_time`, :func:`alternating_step_ms` (variants timed in alternating rounds of one process),
+  :func:`alternating_call_seconds` (the same for jitted functions),
   :class:`CompileClock`, :func:`device_seconds` (kernel time from a profiler trace) and the trace readers
   (:func:`read_trace`, :func:`is_device_stream`, :func:`covered_time`, :func:`hlo_sources`).
 * Roofline: :func:`hbm_bandwidth`, :func:`step_bytes` (the bytes a decode step must move), :func:`speedup_bound`.
@@ -253,6 +254,19 @@ def alternating_step_ms(engines, params, rounds: int, syncs: int) -> list[list[f
         for i, (eng, p) in enumerate(zip(engines, params)):
             ts = [dt for dt, _ in timed_loops(eng, p, syncs)]
             times[i].append(float(np.median(ts)) / eng.steps_per_sync * 1e3)
+    return times
+
+
+def alternating_call_seconds(fns: dict, args: tuple, rounds: int) -> dict[str, list[float]]:
+    """Wall seconds of one call ``fn(*args)`` of each jitted function of ``fns`` (name -> function, each compiled
+    already), timed in ``rounds`` alternating rounds (as :func:`alternating_step_ms` for engines):
+    ``{name: [seconds per round]}``."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t)
     return times
 
 

@@ -18,7 +18,6 @@ A chained loop measures the calls' latency back to back; inside a decode step ea
 from __future__ import annotations
 
 import argparse
-import time
 
 
 def main(argv=None) -> dict:
@@ -27,7 +26,7 @@ def main(argv=None) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxmtp.benchmarking import oneshot_mesh, run_metadata, write_json
+    from jaxmtp.benchmarking import alternating_call_seconds, oneshot_mesh, run_metadata, write_json
     from jaxmtp.pallas import allreduce_oneshot
     from jaxmtp.pallas._common import SplitSum
     from jaxmtp.pallas.norms import add_rms_norm_triton
@@ -86,12 +85,8 @@ def main(argv=None) -> dict:
         finite = {}
         for name, fn in fns.items():  # each way's calls end before the next's begin (they share the workspace)
             finite[name] = bool(all(np.isfinite(np.asarray(o, np.float32)).all() for o in fn(x, noise)))
-        times = {name: [] for name in fns}
-        for _ in range(args.rounds):  # alternating rounds
-            for name, fn in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(x, noise))
-                times[name].append((time.perf_counter() - t) / args.calls * 1e6)
+        times = {name: [t / args.calls * 1e6 for t in ts]
+                 for name, ts in alternating_call_seconds(fns, (x, noise), args.rounds).items()}
         for name, ts in times.items():
             results.append({"rows": rows, "way": name, "us_per_call": float(np.median(ts)), "rounds_us": ts,
                             "finite": finite[name]})

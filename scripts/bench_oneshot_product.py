@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 
 def main(argv=None) -> dict:
@@ -29,7 +28,7 @@ def main(argv=None) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxmtp.benchmarking import oneshot_mesh, run_metadata, write_json
+    from jaxmtp.benchmarking import alternating_call_seconds, oneshot_mesh, run_metadata, write_json
     from jaxmtp.pallas import allreduce_oneshot, oneshot_product
     from jaxmtp.pallas._common import SplitSum
     from jaxmtp.pallas.norms import add_rms_norm_triton
@@ -94,12 +93,9 @@ def main(argv=None) -> dict:
             for name, fn in fns.items():  # each way's calls end before the next's begin (they share the workspace)
                 outs[name] = [np.asarray(o, np.float32) for o in fn(x, acts, wks, wts)]
                 finite[name] = bool(all(np.isfinite(o).all() for o in outs[name]))
-            times = {name: [] for name in fns}
-            for _ in range(args.rounds):  # alternating rounds
-                for name, fn in fns.items():
-                    t = time.perf_counter()
-                    jax.block_until_ready(fn(x, acts, wks, wts))
-                    times[name].append((time.perf_counter() - t) / (args.calls // copies * copies) * 1e6)
+            calls = args.calls // copies * copies
+            times = {name: [t / calls * 1e6 for t in ts]
+                     for name, ts in alternating_call_seconds(fns, (x, acts, wks, wts), args.rounds).items()}
             ref = outs["xla+fused"][0]
             for name, ts in times.items():
                 diff = float(np.max(np.abs(outs[name][0] - ref)))
