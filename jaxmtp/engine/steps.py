@@ -304,18 +304,17 @@ def prefill_chunk(params, state: SlotState, slots, tokens, positions, next_token
     """
     carry = _take(state.carry, slots)
     _, hidden, carry = forward(params, tokens, positions, carry, cfg=cfg, logits="none", backend=backend)
+    n_valid = jnp.sum(positions >= 0, axis=1)
+    last_idx = jnp.maximum(n_valid - 1, 0)
     if not ends_prompts and not prompt_logprobs:
         new_state = state.replace(carry=_put(state.carry, slots, carry))
         if k > 0:  # the MTP layer's keys and values of the chunk (its input: each position's next prompt token)
-            last_idx = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
             _, _, mtp = mtp_forward(params, next_tokens, hidden, positions, _take(state.mtp_carry, slots), cfg=cfg,
                                     logits="none", backend=backend, out_rows=last_idx)
             new_state = new_state.replace(mtp_carry=_put(state.mtp_carry, slots, mtp))
         zeros = jnp.zeros(slots.shape, jnp.int32)
         return new_state, zeros, zeros > 0, zeros, jnp.zeros((slots.shape[0], LOGPROB_COLUMNS), jnp.int32)
     prompt_lps = _prompt_logprobs(params, hidden, next_tokens, backend) if prompt_logprobs else None
-    n_valid = jnp.sum(positions >= 0, axis=1)
-    last_idx = jnp.maximum(n_valid - 1, 0)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     row = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
     generated0 = jnp.zeros_like(n_valid)
