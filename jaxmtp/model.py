@@ -32,7 +32,7 @@ from jaxmtp.fp8 import linear_module_name
 from jaxmtp.layers.attention import KVCache, gated_attention, take_rows
 from jaxmtp.layers.gated_deltanet import GDNCarry, GDNSteps, commit_steps, gated_deltanet
 from jaxmtp.layers.mlp import dense_mlp, moe_mlp
-from jaxmtp.layers.projections import output_weight, stored_parts
+from jaxmtp.layers.projections import output_weight
 from jaxmtp.pallas import ops
 from jaxmtp.pallas.backend import XLA, Backend
 from jaxmtp.pallas.matmul.reference import FP8_BLOCK, FP8_DTYPE
@@ -220,13 +220,6 @@ def decoder_layer(lp, cfg: Qwen35Config, layer_type: str, moe: bool, x, position
     return x, mlp, carry
 
 
-def input_weight(lp):
-    """The weight of a layer's first product: its mixer's input projection (the first stored part where the
-    projections are not fused)."""
-    mixer, fused = (lp["linear_attn"], "in_proj_qkvzba") if "linear_attn" in lp else (lp["self_attn"], "qkv_proj")
-    return mixer[fused] if fused in mixer else mixer[stored_parts(mixer, fused)[0]]
-
-
 def lm_head(params: Params, hidden: jax.Array, backend: Backend = XLA) -> jax.Array:
     """Float32 logits [..., V] from final-normed hidden [..., H] (tied heads read the embedding ``[V, H]``)."""
     if "lm_head" in params:
@@ -260,10 +253,8 @@ def forward(params: Params, tokens, positions, carry: Carry, *, cfg: Qwen35Confi
                                   gdn_form=form, step_states=step_states, backend=backend)
         new_carry.append(c)
         # each block's last residual add is fused with the next norm: the next block's input norm, or the final one
-        last = i + 1 == len(layers)
-        norm = params["norm"] if last else layers[i + 1]["input_layernorm"]
-        consumer = params.get("lm_head", params["embed_tokens"]) if last else input_weight(layers[i + 1])
-        x, h = ops.add_rms_norm(x, mlp, norm, eps, backend, consumer=consumer)
+        norm = layers[i + 1]["input_layernorm"] if i + 1 < len(layers) else params["norm"]
+        x, h = ops.add_rms_norm(x, mlp, norm, eps, backend)
     return select_logits(h, positions, logits, lambda hh: lm_head(params, hh, backend)), h, tuple(new_carry)
 
 

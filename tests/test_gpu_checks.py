@@ -336,8 +336,7 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
     the next call's residual and enters its parts), with one program per row and one per chunk, the ranks' sums
     added in rank order on both sides (psum's a + b on two GPUs): s bit for bit; h within one unit of its last
     place in bf16, four in float32 (the square sum's order follows Triton's register layout, which may differ
-    between the two kernels); per chunk also with the L2 prefetch of a weight's first 16 MB, which changes no
-    value."""
+    between the two kernels)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxmtp.pallas import allreduce_oneshot
@@ -353,32 +352,27 @@ def test_oneshot_add_rms_norm_equals_psum_then_the_norm_kernel(rows, hdim, npart
     w = jnp.asarray(rng.standard_normal(hdim) * 0.1, jnp.float32)
     noise = jax.device_put(rng.standard_normal((n * nparts, rows, hdim)).astype(np.float32),
                            NamedSharding(mesh, P("tp")))
-    weight = jnp.asarray(rng.standard_normal((2560, 8192)), jnp.bfloat16)  # 40 MB for the prefetch way
 
-    def fused(per_row, prefetch_bytes=0):
-        return lambda x, parts, weight: allreduce_oneshot.add_rms_norm(
-            x, parts, w, 1e-6, "tp", n, peers, one_program_per_row=per_row, prefetch=weight,
-            prefetch_bytes=prefetch_bytes)
+    def fused(per_row):
+        return lambda x, parts: allreduce_oneshot.add_rms_norm(x, parts, w, 1e-6, "tp", n, peers,
+                                                               one_program_per_row=per_row)
 
-    def two_steps(x, parts, weight):
+    def two_steps(x, parts):
         total = _rank_order_sum(sum_parts(parts.astype(jnp.float32)), "tp")
         return add_rms_norm_triton(x, SplitSum(total[None], x.dtype), w, 1e-6)
 
     def chain(step):
-        def f(x, noise, weight):
+        def f(x, noise):
             def body(i, carry):  # new values every call (a stale read would show), x kept bounded
                 x, _ = carry
                 parts = noise * jnp.cos(i * 0.7) - x.astype(jnp.float32)[None] * (0.5 / (n * nparts))
-                return step(x, _rounded(parts, parts_dtype), weight)
+                return step(x, _rounded(parts, parts_dtype))
             return jax.lax.fori_loop(0, 200, body, (x, x))
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("tp"), P()), out_specs=P("tp"),
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P("tp"), check_vma=False))
 
-    want = [np.asarray(a, np.float32).reshape(n, rows, hdim) for a in chain(two_steps)(x0, noise, weight)]
-    # one program per row, one per chunk, and that asking L2 for a weight's first 16 MB meanwhile changes nothing
-    for per_row, prefetch_bytes in ((True, 0), (False, 0), (False, 1 << 24)):
-        got = [np.asarray(a, np.float32).reshape(n, rows, hdim)
-               for a in chain(fused(per_row, prefetch_bytes))(x0, noise, weight)]
+    want = [np.asarray(a, np.float32).reshape(n, rows, hdim) for a in chain(two_steps)(x0, noise)]
+    for per_row in (True, False):  # one program per row, one per chunk
+        got = [np.asarray(a, np.float32).reshape(n, rows, hdim) for a in chain(fused(per_row))(x0, noise)]
         assert np.isfinite(got[0]).all() and np.isfinite(got[1]).all()
         assert all(np.array_equal(g[0], g[-1]) for g in got)  # every rank holds the same bits
         np.testing.assert_array_equal(got[0], want[0])
@@ -449,9 +443,7 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     the product fused into it too (jaxmtp.pallas.oneshot_product: the plain step's 3 rows; the verify window's 12
     take the product kernels) equal those with lax.psum, and those equal one GPU's (the sums over the ranks in
     another order than one device's, float32); on every layout speculative greedy decoding reproduces plain greedy
-    decoding; and with the fused kernel asking L2 for the next weight's first bytes (a megabyte: the shipped
-    model's weights are small), which changes no value. At TP 4 the two-launch path, the fused kernel's per-chunk
-    mode (with and without the prefetch) and the fused product only (time)."""
+    decoding. At TP 4 the two-launch path, the fused kernel's per-chunk mode and the fused product only (time)."""
     import jaxmtp
     from jaxmtp.benchmarking import variant_model
     from jaxmtp.engine import Engine
@@ -464,10 +456,9 @@ def test_the_oneshot_reduce_decodes_as_psum(tp, monkeypatch):
     variants = [("psum", ""), ("oneshot", "oneshot_fused=0"), ("oneshot", "oneshot_fused=0,oneshot_parts=1"),
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=1"),
                 ("oneshot", "oneshot_fused=1,oneshot_row_programs=0"),
-                ("oneshot", "out_matmul=triton,oneshot_product_max_rows=4"),
-                ("oneshot", "oneshot_fused=1,oneshot_row_programs=0,oneshot_prefetch_bytes=1048576")]
+                ("oneshot", "out_matmul=triton,oneshot_product_max_rows=4")]
     if tp > 2:
-        variants = [variants[0], variants[1], variants[4], variants[5], variants[6]]
+        variants = [variants[0], variants[1], variants[4], variants[5]]
     for size, reduce, spec in [(1, "one GPU", "")] + [(tp, r, sp) for r, sp in variants]:
         model = jaxmtp.load(progress=False, dtype="float32", tensor_parallel_size=size,
                             tensor_parallel_reduce="auto" if size == 1 else reduce)

@@ -42,8 +42,7 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
     kernel = {"plain": a._kernel, "row": a._row_kernel, "product": oneshot_product._kernel}[kind]()
     # the interpreter resolves names in the kernel's globals (not its closure) and has no libdevice: tl's rsqrt
     for module in (a, oneshot_product):
-        vars(module).update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), prefetch_l2=a._prefetch_l2(), tl=tl,
-                            libdevice=tl)
+        vars(module).update(pick=a._pick(), signal_and_wait=a._signal_and_wait(), tl=tl, libdevice=tl)
     shms = [shared_memory.SharedMemory(name=nm) for nm in names]
     views = [torch.frombuffer(s.buf, dtype=torch.int32) for s in shms]
     peers = [v.data_ptr() for v in views] + [0] * (a.MAX_RANKS - n)
@@ -64,8 +63,8 @@ def _rank(me, kind, n, names, out_name, inputs, shape, calls, launch):
         else:
             x, w, parts = inputs[c]
             s, h = torch.empty(shape), torch.empty(shape)
-            kernel[(shape[0],)](torch.tensor(parts[me]), torch.tensor(x), torch.tensor(w), torch.tensor(x), rank,
-                                *peers, s, h, **launch)
+            kernel[(shape[0],)](torch.tensor(parts[me]), torch.tensor(x), torch.tensor(w), rank, *peers, s, h,
+                                **launch)
             out[me, c, 0], out[me, c, 1] = s.numpy(), h.numpy()
     del views, out
     for s in (*shms, out_shm):
@@ -134,7 +133,7 @@ def test_the_fused_add_norm_across_the_counter_wrap():
     launch = dict(ROWS=rows, H=hdim, C=hdim, CPP=1, P=nparts, N=n, EPS=1e-6, STRIDE=a.ROW_STRIDE,
                   MAXROWS=a.MAX_ROWS, MAXPROGS=a.MAX_PROGRAMS, COUNTERS=a._ROW_COUNTERS, FLAGS=a._ROW_FLAGS,
                   ROWSYNC=a._ROW_SYNC, SQUARES=a._ROW_SQUARES, STAGING=a._row_staging(n), SPIN_LIMIT=1 << 16,
-                  PF_CHUNKS=0, PF_ELEMS=1, PF_PER=4, PF_EVICT_LAST=True, num_warps=4)
+                  num_warps=4)
     got = _run("row", n, inputs, (rows, hdim), calls, launch, a._ROW_COUNTERS, a._ROW_FLAGS)
     for c in range(calls):
         x, w, parts = inputs[c]
@@ -180,8 +179,7 @@ def test_the_launches_give_the_kernels_every_parameter(monkeypatch):
     """jax_triton builds a kernel's signature from the arguments it is given, so a parameter left to its Triton
     default is missing there and the launch fails, on a GPU only (Triton's own launcher, which the interpreter tests
     use, fills defaults in). Through a stand-in for ``jax_triton.triton_call``: both launches, the all-reduce with
-    and without split-K parts and the fused add + norm (with and without a weight to prefetch), give every input,
-    output and constant the kernel names."""
+    and without split-K parts and the fused add + norm, give every input, output and constant the kernel names."""
     import sys
     import types
 
@@ -216,10 +214,8 @@ def test_the_launches_give_the_kernels_every_parameter(monkeypatch):
     def launches(x, parts, w, acts, w_t):
         return (a.allreduce(x, "tp", 2, peers), a.allreduce(parts, "tp", 2, peers, parts=True),
                 a.add_rms_norm(x, parts, w, 1e-6, "tp", 2, peers, one_program_per_row=False),
-                a.add_rms_norm(x, parts, w, 1e-6, "tp", 2, peers, prefetch=w_t, prefetch_bytes=1 << 16),
                 oneshot_product.product_add_rms_norm(x, acts, w_t, w, 1e-6, "tp", 2, peers))
 
     jax.jit(jax.shard_map(launches, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False))(
         x, parts, w, acts, w_t)
-    assert launched == ["oneshot", "oneshot", "oneshot_add_rms_norm", "oneshot_add_rms_norm",
-                        "oneshot_product_add_rms_norm"]
+    assert launched == ["oneshot", "oneshot", "oneshot_add_rms_norm", "oneshot_product_add_rms_norm"]

@@ -73,8 +73,6 @@ SPIN_LIMIT = 1 << 26  # polls before a program gives up and writes NaN (a peer t
 # tests lower it, so that a broken protocol fails in a second instead of a minute per call)
 
 
-PREFETCH_CHUNK = 32768  # bytes of one L2 prefetch instruction (the literal in :func:`_prefetch_l2`'s assembly)
-PREFETCH_PER_PROGRAM = 4  # such chunks per prefetching program
 PRODUCT_MAX_ROWS = 4  # rows one call of the fused product kernel (jaxmtp.pallas.oneshot_product) may take
 
 
@@ -192,27 +190,6 @@ def _signal_and_wait():
 
 
 @functools.cache
-def _prefetch_l2():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
-        """Start a bulk prefetch of :data:`PREFETCH_CHUNK` bytes into L2 at each of ``ptrs`` (Hopper's
-        ``cp.async.bulk.prefetch``: no registers, no wait; with ``EVICT_LAST`` the lines are kept before others)."""
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], 32768, pol; mov.u32 $0, 0; }",
-                "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 32768; mov.u32 $0, 0;",
-                                      "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-    return prefetch_l2
-
-
-@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -276,24 +253,17 @@ def _row_kernel():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    pick, signal_and_wait, prefetch_l2 = _pick(), _signal_and_wait(), _prefetch_l2()
+    pick, signal_and_wait = _pick(), _signal_and_wait()
 
     @triton.jit
-    def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, pf_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
+    def oneshot_add_rms_norm(y_ptr, x_ptr, w_ptr, rank_ptr, s0, s1, s2, s3, s4, s5, s6, s7, s_ptr, h_ptr,
                              ROWS: tl.constexpr, H: tl.constexpr, C: tl.constexpr, CPP: tl.constexpr,
                              P: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, STRIDE: tl.constexpr,
                              MAXROWS: tl.constexpr, MAXPROGS: tl.constexpr, COUNTERS: tl.constexpr,
                              FLAGS: tl.constexpr, ROWSYNC: tl.constexpr, SQUARES: tl.constexpr,
-                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr, PF_CHUNKS: tl.constexpr,
-                             PF_ELEMS: tl.constexpr, PF_PER: tl.constexpr, PF_EVICT_LAST: tl.constexpr):
+                             STAGING: tl.constexpr, SPIN_LIMIT: tl.constexpr):
         PPR: tl.constexpr = H // C // CPP  # programs per row, each CPP chunks of C
         g = tl.program_id(0)
-        if g >= ROWS * PPR:  # a program of its own for PF_PER chunks of the next product's first bytes: into L2
-            # while the others wait for their peers (a program waits for its bulk copies to end before it exits, at
-            # about 100 GB/s an SM: spread over many SMs, they end before the wait does)
-            i = (g - ROWS * PPR) * PF_PER + tl.arange(0, PF_PER)
-            prefetch_l2(pf_ptr + tl.minimum(i, PF_CHUNKS - 1) * PF_ELEMS, PF_EVICT_LAST)
-            return
         r = g // PPR
         q = g % PPR
         me = tl.load(rank_ptr)
@@ -370,9 +340,8 @@ def row_fusion_applies(rows: int, hdim: int, ranks: int) -> bool:
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, axis: str, ranks: int,
-                 peers: tuple[int, ...], *, num_warps: int = 4, one_program_per_row: bool = True,
-                 prefetch: jax.Array | None = None, prefetch_bytes: int = 0,
-                 prefetch_evict_last: bool = True) -> tuple[jax.Array, jax.Array]:
+                 peers: tuple[int, ...], *, num_warps: int = 4,
+                 one_program_per_row: bool = True) -> tuple[jax.Array, jax.Array]:
     """The block's output reduced over the ranks and added to the residual stream, normed, in one launch:
     ``(s, h)`` [..., H] in x's dtype with ``s = x + round(sum over ranks of (sum over i of parts[i]))`` and ``h =
     rms_norm(s, weight, eps)`` (:func:`row_reference`). x [..., H]; ``parts`` [P, ..., H] (any float dtype): this
@@ -381,9 +350,7 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     ``num_warps`` per program; a program per row, or one per chunk of a row (the row length's largest power-of-two
     divisor up to 4096: :func:`jaxmtp.pallas.norms.add_rms_norm_triton.chunk_size`), which hand each other their
     square sums. The kernel policy chooses (``oneshot_row_*``). One hidden size per workspace: a program's staging
-    region depends on it. ``prefetch``: the next product's weight (any array; Hopper only), whose first
-    ``prefetch_bytes`` (rounded down to :data:`PREFETCH_CHUNK`) the launch asks L2 to load while it waits for its
-    peers, the lines marked evict-last with ``prefetch_evict_last``; it changes no value."""
+    region depends on it."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
@@ -395,16 +362,13 @@ def add_rms_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, eps: float, 
     chunk = chunk_size(hdim)
     ppr = 1 if one_program_per_row else hdim // chunk
     row = jax.ShapeDtypeStruct((rows, hdim), x.dtype)
-    itemsize = 1 if prefetch is None else prefetch.dtype.itemsize
-    pf_chunks = 0 if prefetch is None else min(prefetch_bytes, prefetch.size * itemsize) // PREFETCH_CHUNK
     s, h = jt.triton_call(
-        parts.reshape(parts.shape[0], rows, hdim), x.reshape(rows, hdim), weight, x if pf_chunks == 0 else prefetch,
-        _rank_and_group(axis, ranks), *peers, kernel=_row_kernel(), out_shape=[row, row],
-        grid=(rows * ppr + -(-pf_chunks // PREFETCH_PER_PROGRAM),), num_warps=num_warps, num_stages=1, ROWS=rows,
-        H=hdim, C=chunk, CPP=hdim // chunk // ppr, P=parts.shape[0], N=ranks, EPS=float(eps), STRIDE=ROW_STRIDE,
-        MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=_ROW_COUNTERS, FLAGS=_ROW_FLAGS, ROWSYNC=_ROW_SYNC,
-        SQUARES=_ROW_SQUARES, STAGING=_row_staging(ranks), SPIN_LIMIT=SPIN_LIMIT, PF_CHUNKS=pf_chunks,
-        PF_ELEMS=PREFETCH_CHUNK // itemsize, PF_PER=PREFETCH_PER_PROGRAM, PF_EVICT_LAST=bool(prefetch_evict_last))
+        parts.reshape(parts.shape[0], rows, hdim), x.reshape(rows, hdim), weight, _rank_and_group(axis, ranks),
+        *peers, kernel=_row_kernel(), out_shape=[row, row], grid=(rows * ppr,), num_warps=num_warps,
+        num_stages=1, ROWS=rows, H=hdim, C=chunk, CPP=hdim // chunk // ppr, P=parts.shape[0], N=ranks,
+        EPS=float(eps), STRIDE=ROW_STRIDE, MAXROWS=MAX_ROWS, MAXPROGS=MAX_PROGRAMS, COUNTERS=_ROW_COUNTERS,
+        FLAGS=_ROW_FLAGS, ROWSYNC=_ROW_SYNC, SQUARES=_ROW_SQUARES, STAGING=_row_staging(ranks),
+        SPIN_LIMIT=SPIN_LIMIT)
     return s.reshape(x.shape), h.reshape(x.shape)
 
 

@@ -79,12 +79,10 @@ def rms_norm(x, weight, eps: float, backend: Backend):
     return _norms.rms_norm(x, weight, eps, implementation=backend.norm)
 
 
-def add_rms_norm(x, y, weight, eps: float, backend: Backend, *, consumer=None):
+def add_rms_norm(x, y, weight, eps: float, backend: Backend):
     """``(s, h) = (x + y, rms_norm(x + y))`` [..., H] (y may be a :class:`SplitSum`: the kernel sums its parts; an
     :class:`Unreduced` output, which the one-shot kernel reduces over the ranks in the same launch; or a
-    :class:`PendingProduct`, which the one-shot product kernel also forms). ``consumer``: the weight of the product
-    that reads h next (or None), whose first bytes the one-shot kernel may prefetch into L2 while it waits
-    (the policy's ``oneshot_prefetch_bytes``)."""
+    :class:`PendingProduct`, which the one-shot product kernel also forms)."""
     if isinstance(y, PendingProduct):
         from jaxmtp.pallas import oneshot_product
 
@@ -99,18 +97,8 @@ def add_rms_norm(x, y, weight, eps: float, backend: Backend, *, consumer=None):
         tp, policy = y.tp, backend.policy
         return allreduce_oneshot.add_rms_norm(x, y.parts, weight, eps, tp.axis, tp.size, tp.peers,
                                               num_warps=policy.oneshot_row_num_warps,
-                                              one_program_per_row=policy.oneshot_row_programs == 1,
-                                              prefetch=_weight_bytes(consumer) if backend.norm == TRITON else None,
-                                              prefetch_bytes=policy.oneshot_prefetch_bytes,
-                                              prefetch_evict_last=policy.oneshot_prefetch_evict_last)
+                                              one_program_per_row=policy.oneshot_row_programs == 1)
     return _norms.add_rms_norm(x, y, weight, eps, implementation=backend.norm)
-
-
-def _weight_bytes(w):
-    """The array holding a weight's bulk (a floating weight itself; a quantised one's ``"weight"``), or None."""
-    if isinstance(w, dict):
-        w = w.get("weight")
-    return w if isinstance(w, jax.Array) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,7 +233,7 @@ def output_add_norm(a, w, transposed: bool, residual, norm_weight, eps: float, b
         r = _matmul.layer_gemv(a, w, implementation=impl, residual=residual)
         return r, normed(r, norm_weight, eps)
     y = output_product(a, w, transposed, backend, partials=True)
-    return add_rms_norm(residual, y, norm_weight, eps, backend, consumer=consumer)
+    return add_rms_norm(residual, y, norm_weight, eps, backend)
 
 
 def swiglu_mlp(x, gate_up, down, down_transposed: bool, width: int, backend: Backend, *, partials: bool = False,

@@ -99,10 +99,6 @@ class KernelPolicy:
     oneshot_row_programs: int = 0
     oneshot_row_num_warps: int = 8
     oneshot_parts: bool = False
-    # ... and while the fused launch waits for its peers, it asks L2 to load this many of the first bytes of the
-    # next product's weight (Hopper's bulk prefetch; 0: none), marked evict-last or not
-    oneshot_prefetch_bytes: int = 0
-    oneshot_prefetch_evict_last: bool = True
     # ... and the row-parallel product itself in that launch (jaxmtp.pallas.oneshot_product; the block-output
     # weights stored [N, K], which an out_matmul kernel asks for) up to this many rows (0: never; at most 4), with
     # its tiles: output columns per program, K per step, warps, pipeline stages
