@@ -830,6 +830,7 @@ class Engine:
         # the executable compiled (or loaded) for this shape, else the jitted function (traced at this call)
         general = self.executables[_warmup.prefill_key(rows, chunk)]
         prefill = general.compiled or self._prefill
+        mid = self.executables.get(_warmup.prefill_mid_key(rows, chunk))  # for a call in which no prompt ends
         row_of, taken = [], collections.Counter()
         for d in replica:
             row_of.append(d * rows + taken[d])
@@ -860,7 +861,6 @@ class Engine:
             self.prefilled_tokens += n
             ends.append(start + n)
         args = (self.model.params, self.state, *map(jnp.asarray, (slots, tokens, positions, nxt, final)))
-        mid = self.executables.get(_warmup.prefill_mid_key(rows // self.data_parallel, chunk))
         if mid is not None and not final.any() and (mid.compiled is not None or (general.compiled is None
                                                                                  and not self._lazy)):
             # no prompt ends here: the call without the head (compiled, or traced now where the general shape
