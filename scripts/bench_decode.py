@@ -270,8 +270,8 @@ def main(argv=None) -> int:
                     "(jaxmtp.pallas.override_backend), e.g. gdn_mixer=xla,norm=triton")
     ap.add_argument("--ab", default="", help="overrides to compare in one process, '|'-separated (an empty entry = "
                     "the default), each a --override spec of backend and kernel-policy fields, e.g. '|norm=triton' "
-                    "or '|output_split_max_rows=1': each grid point is timed in alternating rounds; prefill variants may also "
-                    "set mid_prompt_prefill=0/1 (an Engine argument)")
+                    "or '|output_split_max_rows=1': each grid point is timed in alternating rounds; prefill variants "
+                    "may also set mid_prompt_prefill=0/1 (an Engine argument)")
     ap.add_argument("--ab-rounds", type=int, default=6)
     ap.add_argument("--ratio", default="", help="batch:k pairs, e.g. 1:3: the k step against the plain step in "
                     "alternating rounds in one process (--ratio-rounds), per-round ratios and their median")

@@ -8,10 +8,10 @@ profiler trace.
 Builds a random bf16 model of a released Qwen3.5 shape, fills every slot with a request ``--context`` tokens deep
 (``jaxmtp.benchmarking.synthetic_engine``), warms the engine's jitted ``steps_per_sync``-step loop, then traces
 ``--syncs`` calls with ``jax.profiler`` and reads the trace back (``*.trace.json.gz``; no TensorBoard needed).
-With ``--prefill``, one prompt of that many random tokens is
-prefilled instead (after an untraced prompt that compiles and one that is timed), and "per step" reads "per prefill
-call" (one chunk). Reported per step: wall time, device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is
-the idle share: launch gaps, host round trips), and the ops with the most device time. Run it with different
+With ``--prefill``, one prompt of that many random tokens is prefilled instead (after untraced prompts that
+compile, warm up and are timed), and "per step" reads "per prefill call" (one chunk). Reported per step: wall time,
+device kernels launched, the union of device busy intervals (so ``1 - busy / wall`` is the idle share: launch gaps,
+host round trips), and the ops with the most device time. Run it with different
 ``XLA_FLAGS`` in separate processes to compare compiler settings. JSON out; a short summary prints last.
 """
 

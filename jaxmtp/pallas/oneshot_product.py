@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jaxmtp.pallas import allreduce_oneshot as _oneshot
 from jaxmtp.pallas._common import next_pow2
 
+
 @functools.cache
 def _kernel():
     import triton
@@ -168,8 +169,8 @@ def product_add_rms_norm(x: jax.Array, a: jax.Array, w_t: jax.Array, weight: jax
     eps)`` (:func:`reference`), in one launch inside the step's ``shard_map``. x [..., H] the residual stream; a
     [..., K] this rank's slice of the product's input; ``w_t [H, K]`` this rank's slice of the weight; ``weight``
     [H] the norm's offset (scale ``1 + w``); ``peers`` the workspaces' addresses. Tiles: BN output columns per
-    program, BK of K per step (the kernel policy's ``oneshot_product_*``). ``exchange=False`` (benchmarks: the product's own
-    time) skips the exchange: s and h are this rank's product."""
+    program, BK of K per step (the kernel policy's ``oneshot_product_*``). ``exchange=False`` (benchmarks: the
+    product's own time) skips the exchange: s and h are this rank's product."""
     import jax_triton as jt
     from jaxmtp.pallas.norms.add_rms_norm_triton import chunk_size
 
