@@ -39,12 +39,10 @@ def fma_tiles(lanes=(1, 16), stages=(2,), bns=(4, 8, 16), bks=(512, 1024, 2048),
                    lanes=lane)
 
 
-def dot_tiles(m: int, stages=(3,), warps=(4,), bns=(32, 64, 128), bks=(128, 256, 512), splits_=(1, 2, 4, 8),
-              row_scales=(0,)):
+def dot_tiles(m: int, stages=(3,), warps=(4,), bns=(32, 64, 128), bks=(128, 256, 512), splits_=(1, 2, 4, 8)):
     bm = max(16, min(64, 1 << (m - 1).bit_length()))
-    for bn, bk, splits, stage, warp, rs in itertools.product(bns, bks, splits_, stages, warps, row_scales):
-        yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warp, num_stages=stage,
-                   row_scales=bool(rs))
+    for bn, bk, splits, stage, warp in itertools.product(bns, bks, splits_, stages, warps):
+        yield dict(fma_max_rows=0, block_m=bm, block_n=bn, block_k=bk, splits=splits, num_warps=warp, num_stages=stage)
 
 
 def time_product(x, ws, tiles: dict, calls: int, reps: int, timing: str = "wall") -> float:
@@ -82,8 +80,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dot-bn", default="32,64,128", help="tensor-core path: W tile rows (BN) to try")
     ap.add_argument("--dot-bk", default="128,256,512", help="tensor-core path: K tile widths (BK) to try")
     ap.add_argument("--dot-splits", default="1,2,4,8", help="tensor-core path: K splits to try")
-    ap.add_argument("--dot-row-scales", default="0", help="tensor-core path: 0 the scales on each block's dot, 1 "
-                    "on the rows (two bfloat16 halves), 0,1 both")
     ap.add_argument("--out", default="fp8_tiles.json")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, the kernel interpreted, two tiles per case")
     args = ap.parse_args(argv)
@@ -110,7 +106,7 @@ def main(argv=None) -> int:
                  if m <= 4 and args.paths != "dots" else [])
         if m > 4 or (args.paths != "rows" and m > 1):
             tiles += list(dot_tiles(m, ints(args.dot_stages), ints(args.dot_warps), ints(args.dot_bn),
-                                    ints(args.dot_bk), ints(args.dot_splits), ints(args.dot_row_scales)))
+                                    ints(args.dot_bk), ints(args.dot_splits)))
         if args.smoke:
             tiles = [dict(t, interpret=True) for t in tiles[:1] + tiles[-1:]]
             ws = ws[:2]

@@ -9,8 +9,6 @@ by up to 2^10 and a scale read from the wrong block fails the float32 checks. Th
 with NaN before the kernel runs, so unwritten elements fail too.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,10 +74,6 @@ def test_matches_float64_and_reference(rng, lead, k, n, dtype):
     (6, 200, 300, F32, dict(fma_max_rows=8)),  # six rows on the multiply-add path
     (17, 200, 300, F32, dict(block_m=16, block_n=16, block_k=256, splits=1)),  # two M tiles, two dots per step
     (40, 640, 136, BF16, dict(block_m=32, block_n=128, block_k=256, splits=2)),  # dots past K (scale index clamped)
-    # the scales on the rows (two bfloat16 halves of x * s): ragged K and N, K split with a step past K, float32 rows
-    (4, 200, 300, BF16, dict(fma_max_rows=0, row_scales=True)),
-    (5, 640, 136, BF16, dict(block_n=32, block_k=256, splits=2, row_scales=True)),
-    (17, 1024, 384, F32, dict(block_m=16, block_n=64, block_k=512, splits=2, row_scales=True)),
 ])
 def test_tiles(rng, m, k, n, dtype, tiles):
     """Non-default tiles: split K with partial or empty steps, several M tiles, wider steps, the thresholds."""
@@ -106,15 +100,14 @@ def test_the_policy_picks_the_path(rng, monkeypatch, fma_max_rows):
     seen = []
 
     def spy(*args, **kw):
-        seen.append((kw["fma_max_rows"], kw["lanes"], kw["dot_min_programs"], kw["row_scales"]))
+        seen.append((kw["fma_max_rows"], kw["lanes"], kw["dot_min_programs"]))
         return fp8_matmul_triton(*args, **kw)
 
     monkeypatch.setattr(matmul, "fp8_matmul_triton", spy)
     x, q, scale, w64 = _inputs(rng, (3,), 200, 300, F32)
-    policy = dataclasses.replace(DEFAULT_POLICY, fp8_fma_max_rows=fma_max_rows, fp8_dot_min_programs=fma_max_rows * 8,
-                                 fp8_dot_row_scales=fma_max_rows == 1)
+    policy = dataclasses.replace(DEFAULT_POLICY, fp8_fma_max_rows=fma_max_rows, fp8_dot_min_programs=fma_max_rows * 8)
     y = matmul.fp8_linear(x, {"weight": q, "block_scale": scale}, implementation="triton_interpret", policy=policy)
-    assert seen == [(fma_max_rows, DEFAULT_POLICY.fp8_fma_lanes, fma_max_rows * 8, fma_max_rows == 1)]
+    assert seen == [(fma_max_rows, DEFAULT_POLICY.fp8_fma_lanes, fma_max_rows * 8)]
     assert plan(3, 200, 300, fma_max_rows=fma_max_rows).fma == (fma_max_rows >= 3)
     assert _rel_err(y, np.asarray(x, np.float64) @ w64.T) < 1e-5
 
@@ -147,13 +140,11 @@ def test_plan_and_refusals(rng):
 
 @pytest.mark.parametrize("m,k,n", [(1, 5120, 17408), (4, 17408, 5120), (32, 5120, 17408), (32, 17408, 5120),
                                    (3, 200, 300), (37, 200, 300)])
-@pytest.mark.parametrize("row_scales", [False, True])
-def test_lowers_for_cuda(m, k, n, row_scales):
+def test_lowers_for_cuda(m, k, n):
     """Qwen3.5 27B MLP shapes (and partial blocks) lower to one Triton launch; nothing is padded."""
     sds = jax.ShapeDtypeStruct
     args = (sds((m, k), BF16), sds((n, k), jnp.float8_e4m3fn), sds((-(-n // 128), -(-k // 128)), F32))
-    f = jax.jit(functools.partial(fp8_matmul_triton, row_scales=row_scales))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fp8_matmul_triton).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.pad" not in text
 
 

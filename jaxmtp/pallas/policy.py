@@ -77,9 +77,6 @@ class KernelPolicy:
     # H100: faster than 64-row tiles split by K alone at three 27B shapes, 1.5% slower at down; the 27B FP8 k = 3
     # step 14.73 against 15.22 ms); 0: 64-row tiles and splits by K's length, as for more rows
     fp8_dot_min_programs: int = 1024
-    # tensor-core path: the block scales multiply the rows (x * s split into two bfloat16 halves, two dots per K step
-    # into one accumulator) instead of each 128-wide block's dot result
-    fp8_dot_row_scales: bool = False
     # one-row products of an FP8 weight beside a floating one that reads the same input (in_proj_qkv|z in FP8 and
     # in_proj_b|a in bf16, as the FP8 checkpoints ship them): the floating columns formed by extra programs of the FP8
     # launch, no product and concatenation of their own (27B FP8 plain step 11.14 against 11.37 ms, H100)

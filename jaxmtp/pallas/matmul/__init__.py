@@ -53,7 +53,7 @@ def fp8_linear(x, w, *, out_dtype=None, implementation: str = "xla", policy: Ker
     if _kernel(implementation) and rows <= policy.fp8_kernel_max_rows and fp8_supports(rows, q.shape[1], q.shape[0]):
         return fp8_matmul_triton(x, q, s, out_dtype=out_dtype, fma_max_rows=policy.fp8_fma_max_rows,
                                  lanes=policy.fp8_fma_lanes, dot_min_programs=policy.fp8_dot_min_programs,
-                                 row_scales=policy.fp8_dot_row_scales, interpret=implementation == TRITON_INTERPRET)
+                                 interpret=implementation == TRITON_INTERPRET)
     return fp8_matmul_reference(x, q, s, out_dtype=out_dtype)
 
 

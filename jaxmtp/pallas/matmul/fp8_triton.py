@@ -47,7 +47,6 @@ from jaxmtp.pallas.policy import DEFAULT_POLICY
 FMA_MAX_ROWS = DEFAULT_POLICY.fp8_fma_max_rows  # up to this many rows the multiply-add path, then tensor cores
 DOT_MIN_PROGRAMS = DEFAULT_POLICY.fp8_dot_min_programs  # tensor cores, up to 16 rows: K split until this many programs
 LANES = DEFAULT_POLICY.fp8_fma_lanes  # multiply-add path: products a thread sums in registers before accumulating
-ROW_SCALES = DEFAULT_POLICY.fp8_dot_row_scales  # tensor-core path: block scales on the rows, no scaling between dots
 
 
 class Plan(NamedTuple):
@@ -61,7 +60,6 @@ class Plan(NamedTuple):
     num_warps: int
     num_stages: int
     lanes: int = 1  # multiply-add path: products a thread sums in registers before accumulating (:func:`_fma_kernel`)
-    row_scales: bool = False  # tensor-core path: the scales on the rows (:func:`_dot_rows_scaled`)
 
 
 def supports(m: int, k: int, n: int) -> bool:
@@ -71,7 +69,7 @@ def supports(m: int, k: int, n: int) -> bool:
 
 
 def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS,
-         dot_min_programs: int = DOT_MIN_PROGRAMS, row_scales: bool = ROW_SCALES) -> Plan:
+         dot_min_programs: int = DOT_MIN_PROGRAMS) -> Plan:
     """Default tiles for x [m, k] times an e4m3 W [n, k], the best of sweeps at Qwen3.5-27B shapes
     (``scripts/sweep_fp8_tiles.py``: one row on an H100, more rows on an H200; docs/performance.md, "FP8").
 
@@ -97,9 +95,9 @@ def plan(m: int, k: int, n: int, *, fma_max_rows: int = FMA_MAX_ROWS,
         splits, programs = 1, pl.cdiv(n, 32)
         while splits < 8 and steps >= 8 * splits and programs * splits < dot_min_programs:  # >= 4 blocks a split
             splits *= 2
-        return Plan(False, bm, 32, FP8_BLOCK, splits, 4, 3, row_scales=row_scales)
+        return Plan(False, bm, 32, FP8_BLOCK, splits, 4, 3)
     splits = 8 if steps >= 64 else 4 if steps >= 16 else 2 if steps >= 4 else 1
-    return Plan(False, bm, 64, FP8_BLOCK, splits, 4, 3, row_scales=row_scales)
+    return Plan(False, bm, 64, FP8_BLOCK, splits, 4, 3)
 
 
 def _load(ref, mask):
@@ -182,19 +180,13 @@ def _fma_rows(x_ref, w_ref, s_ref, o_ref, n0, k0, *, m, k, n, bn, bk, steps, rag
         pltr.store(o_ref.at[jnp.int32(r), pl.ds(n0, bn)], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=out_ok)
 
 
-def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragged_k, dtype, row_scales, interpret):
+def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragged_k, dtype, interpret):
     """x [M, K]; w e4m3 [N, K]; s float32 [cdiv(N, 128), cdiv(K, 128)]; o [M, N] (this split's). Program (i, j, s):
     rows ``[i BM, (i + 1) BM)`` of x times W's rows ``[j BN, (j + 1) BN)`` over the K steps ``[s steps, (s + 1)
-    steps)``, one dot per 128-wide block of K, scaled by the block's scale. ``row_scales``: the scales go on the
-    rows instead, ``x * s`` (float32) split into a bfloat16 head and the bfloat16 rounding of its remainder (about 16
-    bits of the product), both dotted with the whole ``[BN, BK]`` tile into one accumulator: no scaling between
-    the dots, so that the accumulation stays in the tensor cores' registers across the step."""
+    steps)``, one dot per 128-wide block of K, scaled by the block's scale."""
     m0, n0 = pl.program_id(0) * bm, pl.program_id(1) * bn
     k0 = pl.program_id(2) * steps * bk
     nb, kb_last = lax.div(n0, FP8_BLOCK), s_ref.shape[1] - 1
-    if row_scales:
-        return _dot_rows_scaled(x_ref, w_ref, s_ref, o_ref, m0, n0, k0, nb, kb_last, m=m, k=k, n=n, bm=bm, bn=bn,
-                                bk=bk, steps=steps, ragged_k=ragged_k, dtype=dtype, interpret=interpret)
     x_rows_ok = m0 + lax.broadcasted_iota(jnp.int32, (bm, FP8_BLOCK), 0) < m if m % bm else None
     w_rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, FP8_BLOCK), 0) < n if n % bn else None
 
@@ -210,12 +202,7 @@ def _dot_kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, n, bm, bn, bk, steps, ragge
             acc = acc + mm(xt, wt, tb=True, dtype=dtype, interpret=interpret) * scale
         return acc
 
-    _store_tile(o_ref, lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32)), m0, n0, m=m, n=n)
-
-
-def _store_tile(o_ref, acc, m0, n0, *, m, n):
-    """acc [BM, BN] into o's rows ``[m0, m0 + BM)`` and columns ``[n0, n0 + BN)``, masked past M and N."""
-    bm, bn = acc.shape
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
     out_ok = None
     if m % bm or n % bn:
         out_ok = ((m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < m)
@@ -223,41 +210,12 @@ def _store_tile(o_ref, acc, m0, n0, *, m, n):
     pltr.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), mask=out_ok)
 
 
-def _dot_rows_scaled(x_ref, w_ref, s_ref, o_ref, m0, n0, k0, nb, kb_last, *, m, k, n, bm, bn, bk, steps, ragged_k,
-                     dtype, interpret):
-    """:func:`_dot_kernel` with ``row_scales``: per K step the rows times their columns' scales, ``x s = hi + lo +
-    O(2^-16 |x s|)`` with hi and lo bfloat16 (float32 with float32 rows: lo is then 0 and skipped), two dots."""
-    f32 = jnp.float32
-    half = f32 if jnp.dtype(dtype) == f32 else jnp.bfloat16  # bfloat16 keeps float32's exponents: no underflow
-    col = lax.iota(jnp.int32, bk)
-    col_block = lax.div(col, FP8_BLOCK)
-    x_rows_ok = m0 + lax.broadcasted_iota(jnp.int32, (bm, bk), 0) < m if m % bm else None
-    w_rows_ok = n0 + lax.broadcasted_iota(jnp.int32, (bn, bk), 0) < n if n % bn else None
-
-    def body(i, acc):
-        off = pl.multiple_of(k0 + i * bk, bk)
-        cols = (off + col < k)[None, :] if ragged_k else None
-        xt = _load(x_ref.at[pl.ds(m0, bm), pl.ds(off, bk)],
-                   _both(x_rows_ok, None if cols is None else jnp.broadcast_to(cols, (bm, bk))))
-        wt = _load(w_ref.at[pl.ds(n0, bn), pl.ds(off, bk)],
-                   _both(w_rows_ok, None if cols is None else jnp.broadcast_to(cols, (bn, bk))))
-        scale = pltr.load(s_ref.at[nb, jnp.minimum(lax.div(off, FP8_BLOCK) + col_block, kb_last)])  # [BK]
-        xs = xt.astype(f32) * scale[None, :]
-        hi = xs.astype(half)
-        acc = acc + mm(hi, wt, tb=True, dtype=half, interpret=interpret)
-        if half != f32:
-            acc = acc + mm((xs - hi.astype(f32)).astype(half), wt, tb=True, dtype=half, interpret=interpret)
-        return acc
-
-    _store_tile(o_ref, lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), f32)), m0, n0, m=m, n=n)
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "splits", "num_warps",
                                              "num_stages", "fma_max_rows", "lanes", "dot_min_programs",
-                                             "row_scales", "interpret"))
+                                             "interpret"))
 def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_n=None, block_k=None, splits=None,
                       num_warps=None, num_stages=None, fma_max_rows=FMA_MAX_ROWS, lanes=None,
-                      dot_min_programs=DOT_MIN_PROGRAMS, row_scales=None, tail=None, interpret=False):
+                      dot_min_programs=DOT_MIN_PROGRAMS, tail=None, interpret=False):
     """``x @ (w * scale)^T``: x [..., K] (bfloat16, float16 or float32); w e4m3 [N, K]; block_scale
     [cdiv(N, 128), cdiv(K, 128)] (float32; another float dtype is cast). Returns [..., N] in ``out_dtype``
     (default x.dtype), float32 accumulation. Up to ``fma_max_rows`` rows the multiply-add path, else the tensor-core
@@ -266,8 +224,7 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
     free; ``splits`` divides the K steps between programs (float32 partials, summed here in part order). ``tail``:
     a floating weight [K, N2] (FP8 checkpoints keep ``in_proj_b|a`` in bf16 beside the FP8 ``in_proj_qkv|z``) whose
     products fill columns ``[N, N + N2)`` of the output, from extra programs of the same launch (multiply-add path,
-    one split; :func:`tail_applies`). ``row_scales`` (tensor-core path; default the plan's): the block scales on
-    the rows, split in two bfloat16 halves (:func:`_dot_rows_scaled`)."""
+    one split; :func:`tail_applies`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     m, n = math.prod(lead), w.shape[0]
     n_blocks = (pl.cdiv(n, FP8_BLOCK), pl.cdiv(k, FP8_BLOCK))
@@ -276,8 +233,7 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
         raise ValueError(f"unsupported FP8 product: x {x.shape} {x.dtype}, W {w.shape} {w.dtype}, scale "
                          f"{block_scale.shape} (want {n_blocks})")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    p = plan(m, k, n, fma_max_rows=fma_max_rows, dot_min_programs=dot_min_programs,
-             row_scales=ROW_SCALES if row_scales is None else row_scales)
+    p = plan(m, k, n, fma_max_rows=fma_max_rows, dot_min_programs=dot_min_programs)
     bm, bn, bk = (m if p.fma else block_m or p.block_m), block_n or p.block_n, block_k or p.block_k
     ns = splits or p.splits
     lanes = lanes or p.lanes
@@ -298,7 +254,7 @@ def fp8_matmul_triton(x, w, block_scale, *, out_dtype=None, block_m=None, block_
         grid = (pl.cdiv(n, bn) + pl.cdiv(n_tail, bn), ns)
     else:
         kernel = functools.partial(_dot_kernel, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk, steps=steps, ragged_k=ragged_k,
-                                   dtype=work_dtype(x.dtype), row_scales=p.row_scales, interpret=bool(interpret))
+                                   dtype=work_dtype(x.dtype), interpret=bool(interpret))
         grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), ns)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *g: (0,) * a.ndim)  # noqa: E731  (indexed in the kernel)
     if ns == 1:
