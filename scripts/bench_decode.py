@@ -195,7 +195,7 @@ def bench_engine(model, k: int, prompt_len: int, new_tokens: int) -> dict:
     prompt = rng.integers(0, model.config.vocab_size - 1, prompt_len).tolist()
     res = {}
     for attempt in ("cold", "warm"):
-        rid = eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         t0 = time.perf_counter()
         first, first_n, n = None, 0, 0
         while eng.has_work():

@@ -1,6 +1,5 @@
 """``jaxmtp.generate`` / ``generate_stream``: inputs (text, ids, chat), stop strings across chunks, results."""
 
-import numpy as np
 import pytest
 
 import jaxmtp

@@ -213,10 +213,10 @@ def test_gemv_kernel_widens_int8_and_int4_exactly(rng, m, unpack):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     q8 = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)  # the full int8 range, -128 included
     q4 = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)  # any byte: two nibbles, each 0..15 minus 8
-    for q, dense in [(q8, q8), (q4, unpack_int4(q4))]:
+    for q, widened in [(q8, q8), (q4, unpack_int4(q4))]:
         y = gemv_matmul_triton(x, q, transpose_w=True, block_n=8, unpack=unpack, interpret=True)
         assert y.dtype == jnp.float32  # quantised weights: the unscaled float32 product
-        _check(y, x, dense, True, 1e-6)
+        _check(y, x, widened, True, 1e-6)
     with pytest.raises(ValueError, match="unsupported gemv"):
         gemv_matmul_triton(x, q8.T, interpret=True)  # quantised weights are read transposed only
     with pytest.raises(ValueError, match="unsupported gemv"):
